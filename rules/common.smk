@@ -1,0 +1,89 @@
+# Config validation, wildcard constraints, resource defaults and input functions.
+# The only place with Python helpers; rules call these by name.
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(workflow.basedir) / "workflow_scripts"))
+
+from snakemake.exceptions import WorkflowError
+
+from eagle3_pipeline.config import ConfigError, validate_config
+from eagle3_pipeline.io import InputError
+from eagle3_pipeline.target_model import BUILTIN_TARGET, check_target_dir, quick_identity
+
+try:
+    _validated = validate_config(config)
+except ConfigError as e:
+    raise WorkflowError(str(e))
+config.clear()
+config.update(_validated)
+
+# Full-model stages (generation, extraction, evaluation) each declare full_model=1, so
+# at most one runs at a time whatever --resources/--cores the user passes.
+workflow.global_resources.setdefault("full_model", 1)
+
+RUN = config["run"]
+SHARDS = [f"{i:05d}" for i in range(config["prompts"]["num_shards"])]
+BUILTIN_TARGET_DIR = "resources/models/smollm2-135m-instruct"
+FULL_MODEL_GPUS = (
+    config["resources"]["full_model_gpus"]
+    if config["resources"]["full_model_gpus"] is not None
+    else config["vllm"]["tensor_parallel_size"]
+)
+THREADS = config["resources"]["threads"]
+
+
+wildcard_constraints:
+    run=re.escape(RUN),
+    shard=r"\d{5}",
+
+
+def is_builtin_target():
+    return config["target"]["path"] == BUILTIN_TARGET
+
+
+def get_target_dir(wildcards=None):
+    """The target model directory (materialized builtin, or the user's)."""
+    if is_builtin_target():
+        return BUILTIN_TARGET_DIR
+    try:
+        return str(check_target_dir(config["target"]["path"]))
+    except InputError as e:
+        raise WorkflowError(f"target.path: {e}")
+
+
+def get_target_identity():
+    """Cheap identity of the target for params (path + config/tokenizer hashes + weight sizes)."""
+    if is_builtin_target():
+        return BUILTIN_TARGET
+    return quick_identity(get_target_dir())
+
+
+def get_prompt_shard(wildcards):
+    return f"results/{wildcards.run}/prompts/shard-{wildcards.shard}.jsonl"
+
+
+def get_trace_shards(wildcards):
+    return expand("results/{run}/traces/shard-{shard}.jsonl", run=wildcards.run, shard=SHARDS)
+
+
+def get_trace_shard(wildcards):
+    return f"results/{wildcards.run}/traces/shard-{wildcards.shard}.jsonl"
+
+
+def get_hidden_state_shards(wildcards):
+    return expand(
+        "results/{run}/hidden_states/shard-{shard}.safetensors",
+        run=wildcards.run,
+        shard=SHARDS,
+    )
+
+
+def get_num_speculative_tokens():
+    k = config["evaluation"]["num_speculative_tokens"]
+    return k if k is not None else config["training"]["ttt_steps"]
+
+
+def get_final_outputs():
+    return [f"results/{RUN}/eval/acceptance.json"]

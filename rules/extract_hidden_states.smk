@@ -1,0 +1,21 @@
+rule extract_hidden_states:
+    input:
+        traces=get_trace_shard,
+        target=get_target_dir(),
+    output:
+        shard="results/{run}/hidden_states/shard-{shard}.safetensors",
+        index="results/{run}/hidden_states/shard-{shard}.index.json",
+    params:
+        target_identity=get_target_identity(),
+        extraction=config["extraction"],
+        max_seq_len=config["max_seq_len"],
+    resources:
+        gpu=FULL_MODEL_GPUS,
+        full_model=1,
+    threads: THREADS
+    log:
+        "logs/{run}/extract_hidden_states/shard-{shard}.log",
+    benchmark:
+        "benchmarks/{run}/extract_hidden_states/shard-{shard}.tsv"
+    script:
+        "../workflow_scripts/extract_hidden_states.py"

@@ -1,0 +1,23 @@
+rule train_drafter:
+    input:
+        shards=get_hidden_state_shards,
+        d2t="results/{run}/vocab/d2t.npy",
+        t2d="results/{run}/vocab/t2d.npy",
+        target=get_target_dir(),
+    output:
+        drafter=directory("results/{run}/drafter"),
+        metrics="results/{run}/train/metrics.jsonl",
+        summary="results/{run}/train/summary.json",
+    params:
+        training=config["training"],
+        seed=config["seed"],
+        max_seq_len=config["max_seq_len"],
+    resources:
+        gpu=config["resources"]["train_gpus"],
+    threads: THREADS
+    log:
+        "logs/{run}/train_drafter.log",
+    benchmark:
+        "benchmarks/{run}/train_drafter.tsv"
+    script:
+        "../workflow_scripts/train_drafter.py"

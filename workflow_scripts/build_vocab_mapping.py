@@ -1,0 +1,27 @@
+"""Rule build_vocab_mapping: supervised-token frequencies -> d2t / t2d (speculators semantics)."""
+
+import logging
+
+import numpy as np
+
+from eagle3_pipeline.io import atomic_path, read_jsonl, write_json_atomic
+from eagle3_pipeline.runtime import start_log
+from eagle3_pipeline.target_model import target_vocab_size
+from eagle3_pipeline.vocab import build_mapping, count_supervised_tokens, coverage_report
+
+if __name__ == "__main__":
+    sm = snakemake  # noqa: F821 (injected by Snakemake)
+    start_log(sm.log[0])
+    completions = (t["completion_token_ids"] for path in sm.input.traces for t in read_jsonl(path))
+    counts = count_supervised_tokens(completions, target_vocab_size(sm.input.target))
+    d2t, t2d = build_mapping(counts, sm.params.draft_vocab_size)
+    for key, arr in (("token_freq", counts), ("d2t", d2t), ("t2d", t2d)):
+        with atomic_path(sm.output[key], suffix=".npy") as tmp:
+            np.save(tmp, arr)
+    report = coverage_report(counts, t2d, sm.params.draft_vocab_size)
+    write_json_atomic(sm.output.coverage, report)
+    logging.getLogger("build_vocab_mapping").info(
+        "draft vocab %d of %d: coverage %.4f of %d supervised tokens (%d distinct)",
+        report["draft_vocab_size"], report["target_vocab_size"], report["coverage"],
+        report["supervised_tokens"], report["distinct_supervised_tokens"],
+    )

@@ -1,0 +1,21 @@
+"""eagle3-pipeline library: the logic behind each Snakemake rule.
+
+One module per concern, one hop from each rule:
+
+==========================  ======================================
+rule                        module
+==========================  ======================================
+prepare_target_model        :mod:`eagle3_pipeline.target_model`
+prepare_prompts             :mod:`eagle3_pipeline.prompts`
+generate_traces             :mod:`eagle3_pipeline.generation`
+build_vocab_mapping         :mod:`eagle3_pipeline.vocab`
+extract_hidden_states       :mod:`eagle3_pipeline.hidden_states`
+train_drafter               :mod:`eagle3_pipeline.training`
+evaluate_drafter            :mod:`eagle3_pipeline.evaluation`
+==========================  ======================================
+
+Conventions shared by several stages (layer ids, loss mask, token alignment) are
+named once, in :mod:`eagle3_pipeline.conventions`.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,83 @@
+"""Conventions every stage shares, named once: layer ids, loss mask, token alignment.
+
+Layer ids (vLLM / speculators convention)
+    For a target with ``n = num_hidden_layers`` decoder layers, id ``k < n`` is the
+    residual stream *entering* decoder layer ``k`` (the output of layer ``k-1``; id 0 is
+    the token embeddings), and id ``n`` is the output of the last decoder layer *before*
+    the final norm. For a Hugging Face model, id ``k < n`` equals
+    ``output_hidden_states[k]``; id ``n`` does not (transformers 5 returns the
+    post-norm state there), so it is captured with a hook on the last decoder layer.
+    The drafter's ``eagle_aux_hidden_state_layer_ids`` are the aux ids (default
+    ``[2, n//2, n-3]``, speculators' ``resolve_target_layer_ids``); extraction captures
+    those plus ``n``, whose state speculators normalises with the target's final norm
+    to build the training targets.
+
+Loss mask
+    1 on tokens the target generated for the trained turn (the completion, reasoning
+    included, and the end-of-turn token it emitted), 0 on prompt and template tokens.
+
+Alignment (speculators ``shift_batch``)
+    Hidden state at position ``t`` with input token ``t+1`` predicts token ``t+2``;
+    the loss mask at ``t+1`` says whether that prediction is supervised. The pipeline
+    stores unshifted per-position tensors; speculators' ``shift_batch`` shifts them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
+    """Default EAGLE-3 aux layer ids ``[2, n//2, n-3]`` (speculators/vLLM default).
+
+    Raises:
+        ValueError: ``num_hidden_layers < 4`` (the three ids would not be distinct).
+    """
+    n = int(num_hidden_layers)
+    if n < 4:
+        raise ValueError(f"EAGLE-3 default aux layer ids need at least 4 target layers, got {n}")
+    return [2, n // 2, n - 3]
+
+
+def resolve_layer_ids(aux_layer_ids: Sequence[int] | None, num_hidden_layers: int) -> tuple[list[int], list[int]]:
+    """Validate aux layer ids and return ``(aux_ids, captured_ids)``.
+
+    ``captured_ids`` is ``aux_ids + [n]``: the layers extraction stores, in order; the
+    last one is the final layer (pre-norm) used for the training targets.
+
+    Args:
+        aux_layer_ids: explicit ids, or ``None`` for the default ``[2, n//2, n-3]``.
+        num_hidden_layers: ``n`` of the target.
+
+    Raises:
+        ValueError: an id is outside ``[0, n]``, ids repeat, or ``n`` is itself listed
+            as an aux id (it is always captured as the final layer).
+    """
+    n = int(num_hidden_layers)
+    aux = default_aux_layer_ids(n) if aux_layer_ids is None else [int(i) for i in aux_layer_ids]
+    if not aux:
+        raise ValueError("aux layer ids must not be empty")
+    bad = [i for i in aux if i < 0 or i >= n]
+    if bad:
+        raise ValueError(f"aux layer ids {bad} out of range: the target has {n} layers, valid aux ids are 0..{n - 1} (id {n} is the final layer, always captured)")
+    if len(set(aux)) != len(aux):
+        raise ValueError(f"aux layer ids repeat: {aux}")
+    return aux, aux + [n]
+
+
+def loss_mask(num_prompt_tokens: int, num_completion_tokens: int) -> np.ndarray:
+    """Loss mask for one sample: ``bool [num_prompt_tokens + num_completion_tokens]``.
+
+    0 on the prompt (system, history, template tokens and the generation prompt), 1 on
+    every completion token the target generated.
+
+    Raises:
+        ValueError: the completion is empty (the mask would sum to 0: nothing to learn).
+    """
+    if num_completion_tokens <= 0:
+        raise ValueError("empty completion: loss mask would sum to 0")
+    m = np.zeros(num_prompt_tokens + num_completion_tokens, dtype=bool)
+    m[num_prompt_tokens:] = True
+    return m

@@ -1,0 +1,255 @@
+"""extract_hidden_states: prefill-only passes of the target that capture hidden states.
+
+Shard format (one ``safetensors`` file per trace shard, several samples per file; the
+same for every backend):
+
+=================  ==========================  ==========================================
+tensor             dtype, shape                meaning
+=================  ==========================  ==========================================
+``input_ids``      int64 ``[T]``               prompt + completion ids of all samples
+``loss_mask``      bool ``[T]``                1 on completion tokens (conventions.loss_mask)
+``offsets``        int64 ``[S + 1]``           sample ``i`` is rows ``offsets[i]:offsets[i+1]``
+``hidden_states``  bf16 ``[T, L, H]``          captured layers, in ``layer_ids`` order
+=================  ==========================  ==========================================
+
+``layer_ids`` is ``aux_layer_ids + [n]`` (see :mod:`eagle3_pipeline.conventions`): the
+first ``L - 1`` are the drafter's aux inputs, the last is the final layer before the
+norm. ``T`` is the total token count of the shard, ``H`` the target's hidden size. The
+file's string metadata and a sidecar ``shard-NNNNN.index.json`` carry the sample ids,
+offsets, layer ids and the file's SHA-256.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .conventions import loss_mask
+from .io import atomic_path, sha256_file, write_json_atomic
+from .runtime import progress
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "eagle3-pipeline/hidden-states/v1"
+STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class Sample:
+    """One training sample: ``input_ids`` int64 ``[T]`` and ``loss_mask`` bool ``[T]``."""
+
+    id: str
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+
+
+def sample_from_trace(trace: dict, max_seq_len: int) -> Sample:
+    """Build the extraction input of a trace: prompt ids + completion ids, and its loss mask.
+
+    Raises:
+        ValueError: the sample exceeds ``max_seq_len`` tokens (generation caps
+            prompt + completion at the same limit, so this means mismatched configs),
+            or its completion is empty (mask sum 0). The message names the trace id.
+    """
+    p = trace["prompt_token_ids"]
+    c = trace["completion_token_ids"]
+    if len(p) + len(c) > max_seq_len:
+        raise ValueError(f"trace {trace['id']}: {len(p) + len(c)} tokens exceed max_seq_len={max_seq_len}; regenerate with the same max_seq_len")
+    try:
+        mask = loss_mask(len(p), len(c))
+    except ValueError as e:
+        raise ValueError(f"trace {trace['id']}: {e}") from e
+    return Sample(trace["id"], np.asarray(p + c, dtype=np.int64), mask)
+
+
+class LayerCapture:
+    """Forward hooks that capture the residual stream at the given layer ids.
+
+    Id ``0`` is the embedding output; id ``k >= 1`` is the output of decoder layer
+    ``k - 1`` (so id ``n`` is the last layer's output before the final norm). Works for
+    Hugging Face decoder models exposing ``model.model.embed_tokens`` and
+    ``model.model.layers``.
+    """
+
+    def __init__(self, base_model, layer_ids: Sequence[int]):
+        self.layer_ids = list(layer_ids)
+        self.captured: dict[int, torch.Tensor] = {}
+        self._handles = []
+        layers = base_model.layers
+        for k in self.layer_ids:
+            module = base_model.embed_tokens if k == 0 else layers[k - 1]
+            self._handles.append(module.register_forward_hook(self._hook(k)))
+
+    def _hook(self, k: int):
+        def fn(_module, _inputs, output):
+            self.captured[k] = output[0] if isinstance(output, tuple) else output
+
+        return fn
+
+    def stacked(self) -> torch.Tensor:
+        """Captured states stacked as ``[B, T, L, H]`` in ``layer_ids`` order."""
+        return torch.stack([self.captured[k] for k in self.layer_ids], dim=2)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def load_hf_target(model_path: str, device: str, dtype: str = "auto"):
+    """Load the target with transformers for prefill (sdpa attention, eval mode)."""
+    from transformers import AutoModelForCausalLM
+
+    kw = {} if dtype == "auto" else {"dtype": getattr(torch, dtype)}
+    if dtype == "auto":
+        kw["dtype"] = "auto"
+    model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="sdpa", **kw)
+    return model.to(device).eval()
+
+
+def make_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
+    """Group sample indices into batches of similar length.
+
+    Samples are sorted by length (longest first); a batch grows while
+    ``len(batch) * longest <= batch_tokens`` (padded tokens). A sample longer than
+    ``batch_tokens`` gets a batch of its own.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        longest = lengths[cur[0]] if cur else lengths[i]
+        if cur and (len(cur) + 1) * longest > batch_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+@torch.inference_mode()
+def extract_hf(model, samples: Sequence[Sample], layer_ids: Sequence[int], *, batch_tokens: int, storage_dtype: torch.dtype) -> list[torch.Tensor]:
+    """Prefill each sample through a transformers model and capture ``layer_ids``.
+
+    Samples are batched by length with right padding (causal attention: padded keys lie
+    after every real position, so real positions are unaffected).
+
+    Returns:
+        per sample, ``[T_i, L, H]`` in ``storage_dtype`` on CPU, input order.
+
+    Raises:
+        FloatingPointError: a sample's states contain NaN or Inf (names the sample).
+    """
+    device = next(model.parameters()).device
+    base = model.model
+    pad_id = 0
+    cap = LayerCapture(base, layer_ids)
+    out: list[torch.Tensor | None] = [None] * len(samples)
+    lengths = [len(s.input_ids) for s in samples]
+    try:
+        bar = progress(total=sum(lengths), desc="extract", unit="tok", unit_scale=True)
+        for batch in make_batches(lengths, batch_tokens):
+            t_max = lengths[batch[0]]
+            ids = torch.full((len(batch), t_max), pad_id, dtype=torch.long)
+            attn = torch.zeros((len(batch), t_max), dtype=torch.long)
+            for r, i in enumerate(batch):
+                ids[r, : lengths[i]] = torch.from_numpy(samples[i].input_ids)
+                attn[r, : lengths[i]] = 1
+            base(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False)
+            states = cap.stacked()  # [B, T, L, H]
+            for r, i in enumerate(batch):
+                s = states[r, : lengths[i]]
+                if not torch.isfinite(s).all():
+                    raise FloatingPointError(f"sample {samples[i].id}: hidden states contain NaN/Inf")
+                out[i] = s.to("cpu", storage_dtype)
+            cap.captured.clear()
+            bar.update(sum(lengths[i] for i in batch))
+        bar.close()
+    finally:
+        cap.remove()
+    return out  # type: ignore[return-value]
+
+
+def write_shard(path: str | os.PathLike, samples: Sequence[Sample], states: Sequence[torch.Tensor], *, layer_ids: Sequence[int], aux_layer_ids: Sequence[int], index_path: str | os.PathLike) -> dict:
+    """Write one hidden-state shard (format in the module docstring) and its index, atomically.
+
+    Returns:
+        the index dict (also written to ``index_path``).
+    """
+    from safetensors.torch import save_file
+
+    lengths = [len(s.input_ids) for s in samples]
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    tensors = {
+        "input_ids": torch.from_numpy(np.concatenate([s.input_ids for s in samples])),
+        "loss_mask": torch.from_numpy(np.concatenate([s.loss_mask for s in samples])),
+        "offsets": torch.from_numpy(offsets),
+        "hidden_states": torch.cat(list(states), dim=0).contiguous(),
+    }
+    hs = tensors["hidden_states"]
+    meta = {
+        "format": FORMAT,
+        "layer_ids": json.dumps(list(layer_ids)),
+        "aux_layer_ids": json.dumps(list(aux_layer_ids)),
+        "sample_ids": json.dumps([s.id for s in samples]),
+    }
+    with atomic_path(path, suffix=".safetensors") as tmp:
+        save_file(tensors, str(tmp), metadata=meta)
+    index = {
+        "format": FORMAT,
+        "file": Path(path).name,
+        "num_samples": len(samples),
+        "num_tokens": int(offsets[-1]),
+        "num_supervised_tokens": int(tensors["loss_mask"].sum()),
+        "layer_ids": list(layer_ids),
+        "aux_layer_ids": list(aux_layer_ids),
+        "hidden_size": int(hs.shape[-1]),
+        "dtype": str(hs.dtype).removeprefix("torch."),
+        "bytes": os.path.getsize(path),
+        "sha256": sha256_file(path),
+        "samples": [{"id": s.id, "offset": int(o), "length": int(n)} for s, o, n in zip(samples, offsets[:-1], lengths, strict=True)],
+    }
+    write_json_atomic(index_path, index)
+    return index
+
+
+class ShardReader:
+    """Lazy per-sample access to a hidden-state shard (memory-mapped by safetensors)."""
+
+    def __init__(self, path: str | os.PathLike):
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        self._f = safe_open(str(path), framework="pt")
+        meta = self._f.metadata() or {}
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"{path}: not an eagle3-pipeline hidden-state shard (format={meta.get('format')!r})")
+        self.layer_ids: list[int] = json.loads(meta["layer_ids"])
+        self.aux_layer_ids: list[int] = json.loads(meta["aux_layer_ids"])
+        self.sample_ids: list[str] = json.loads(meta["sample_ids"])
+        self.offsets = self._f.get_tensor("offsets")
+        self.input_ids = self._f.get_tensor("input_ids")
+        self.loss_mask = self._f.get_tensor("loss_mask")
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def lengths(self) -> list[int]:
+        return (self.offsets[1:] - self.offsets[:-1]).tolist()
+
+    def sample(self, i: int) -> dict:
+        """Sample ``i``: ``input_ids`` [T], ``loss_mask`` [T], ``hidden_states`` [T, L, H]."""
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return {
+            "id": self.sample_ids[i],
+            "input_ids": self.input_ids[a:b],
+            "loss_mask": self.loss_mask[a:b],
+            "hidden_states": self._f.get_slice("hidden_states")[a:b],
+        }

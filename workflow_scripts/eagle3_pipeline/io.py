@@ -1,0 +1,109 @@
+"""File helpers: atomic writes, JSON/JSONL reading with precise errors, hashing.
+
+Every output of the pipeline is written to a temporary name in the destination
+directory and renamed into place only when complete (``os.replace`` is atomic on
+POSIX within one filesystem), so a killed job never leaves a file that looks finished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+
+class InputError(ValueError):
+    """Bad user input: the message names the file/line/record and what to do."""
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; rename it onto ``path`` on success.
+
+    The temporary file lives in the same directory (same filesystem, so the final
+    ``os.replace`` is atomic). On any exception the temporary file is removed and
+    ``path`` is left untouched. Parent directories are created.
+
+    Args:
+        path: final destination.
+        suffix: suffix for the temporary name (some writers, e.g. numpy, look at it).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix + ".tmp", dir=path.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        os.replace(tmp_path, path)
+    except BaseException:
+        tmp_path.unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """Write ``obj`` as indented, key-sorted JSON to ``path`` atomically."""
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def write_jsonl_atomic(path: str | os.PathLike, records: Iterable[dict]) -> int:
+    """Write one JSON object per line to ``path`` atomically; return the record count."""
+    n = 0
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec, ensure_ascii=False, sort_keys=True))
+            f.write("\n")
+            n += 1
+    return n
+
+
+def read_jsonl(path: str | os.PathLike) -> Iterator[dict]:
+    """Yield the JSON objects of a JSONL file.
+
+    Raises:
+        InputError: a line is not valid JSON or not an object; the message gives
+            ``path:line`` so the user can fix that line.
+    """
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path}:{lineno}: invalid JSON ({e.msg}); fix or remove this line") from e
+            if not isinstance(obj, dict):
+                raise InputError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+            yield obj
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """Read a JSON file."""
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
+    """Hex SHA-256 of a file's bytes, read in ``chunk_bytes`` chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def sha256_json(obj: Any) -> str:
+    """Hex SHA-256 of the canonical JSON encoding of ``obj`` (sorted keys, no spaces)."""
+    data = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(data.encode("utf-8")).hexdigest()

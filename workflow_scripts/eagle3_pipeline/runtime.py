@@ -1,0 +1,101 @@
+"""Per-job runtime plumbing: the job's log file, progress bars, stage metrics.
+
+Rule scripts call :func:`start_log` first thing so that everything the job prints,
+including output of child processes (vLLM's engine core runs in a spawned process),
+lands in the rule's ``log:`` file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterable
+from typing import Any, TextIO
+
+from tqdm import tqdm
+
+logger = logging.getLogger("eagle3_pipeline")
+
+
+def start_log(log_path: str | os.PathLike | None) -> None:
+    """Send this process's stdout/stderr (file descriptors 1 and 2) to ``log_path``.
+
+    The descriptors are duplicated, so processes spawned later (vLLM engine workers)
+    inherit the log too. Also configures :mod:`logging` at INFO with timestamps.
+    ``None`` leaves the streams alone (interactive use, tests).
+    """
+    if log_path is not None:
+        os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+        f = open(log_path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (lives for the job)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        sys.stdout = f
+        sys.stderr = f
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
+
+
+class _LineWriter:
+    """File-like wrapper turning tqdm's carriage-return redraws into whole lines.
+
+    A log file that is tailed then shows one readable line per refresh instead of
+    ``\\r``-separated fragments.
+    """
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+
+    def write(self, s: str) -> None:
+        for part in s.replace("\r", "\n").split("\n"):
+            if part.strip():
+                self.stream.write(part.rstrip() + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def progress(iterable: Iterable | None = None, *, total: int | None = None, desc: str = "", unit: str = "it", **kw: Any) -> tqdm:
+    """A tqdm progress bar with rate and ETA.
+
+    On a terminal it redraws in place; otherwise (a log file) it prints a full line
+    at most every 30 seconds, which doubles as a heartbeat for cluster logs.
+    """
+    tty = sys.stderr.isatty()
+    return tqdm(
+        iterable,
+        total=total,
+        desc=desc,
+        unit=unit,
+        file=sys.stderr if tty else _LineWriter(sys.stderr),
+        mininterval=0.5 if tty else 30.0,
+        dynamic_ncols=tty,
+        ncols=None if tty else 100,
+        ascii=not tty,
+        **kw,
+    )
+
+
+class Timer:
+    """Wall-clock stopwatch in seconds (``time.perf_counter``)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far, in bytes (Linux ``ru_maxrss``)."""
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

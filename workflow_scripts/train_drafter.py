@@ -1,0 +1,22 @@
+"""Rule train_drafter: train speculators' Eagle3DraftModel from the hidden-state shards."""
+
+import logging
+from pathlib import Path
+
+import torch
+
+from eagle3_pipeline.io import write_json_atomic
+from eagle3_pipeline.runtime import start_log
+from eagle3_pipeline.training import train
+
+if __name__ == "__main__":
+    sm = snakemake  # noqa: F821 (injected by Snakemake)
+    start_log(sm.log[0])
+    torch.set_num_threads(sm.threads)
+    summary = train(
+        list(sm.input.shards), str(Path(sm.input.d2t).parent), str(Path(sm.input.target).resolve()),
+        sm.output.drafter, sm.output.metrics, sm.params.training,
+        seed=sm.params.seed, max_seq_len=sm.params.max_seq_len,
+    )
+    write_json_atomic(sm.output.summary, summary)
+    logging.getLogger("train_drafter").info("training: %s", summary)
