@@ -2,9 +2,7 @@
 
 import logging
 
-import numpy as np
-
-from eagle3_pipeline.io import atomic_path, read_jsonl, write_json_atomic
+from eagle3_pipeline.io import read_jsonl, save_npy_atomic, write_json_atomic
 from eagle3_pipeline.runtime import start_log
 from eagle3_pipeline.target_model import target_vocab_size
 from eagle3_pipeline.vocab import build_mapping, count_supervised_tokens, coverage_report
@@ -16,8 +14,7 @@ if __name__ == "__main__":
     counts = count_supervised_tokens(completions, target_vocab_size(sm.input.target))
     d2t, t2d = build_mapping(counts, sm.params.draft_vocab_size)
     for key, arr in (("token_freq", counts), ("d2t", d2t), ("t2d", t2d)):
-        with atomic_path(sm.output[key], suffix=".npy") as tmp:
-            np.save(tmp, arr)
+        save_npy_atomic(sm.output[key], arr)
     report = coverage_report(counts, t2d, sm.params.draft_vocab_size)
     write_json_atomic(sm.output.coverage, report)
     logging.getLogger("build_vocab_mapping").info(

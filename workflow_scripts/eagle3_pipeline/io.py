@@ -21,6 +21,12 @@ class InputError(ValueError):
     """Bad user input: the message names the file/line/record and what to do."""
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     """Yield a temporary path next to ``path``; rename it onto ``path`` on success.
@@ -38,11 +44,39 @@ def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix + ".tmp", dir=path.parent)
     os.close(fd)
     tmp_path = Path(tmp)
+    os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp creates 0600; outputs get the usual mode
     try:
         yield tmp_path
         os.replace(tmp_path, path)
     except BaseException:
         tmp_path.unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary directory next to ``path``; rename it onto ``path`` on success.
+
+    An existing ``path`` is replaced only once the new directory is complete. On any
+    exception the temporary directory is removed. Files get the usual mode (umask).
+    """
+    import shutil
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+        mode = 0o666 & ~_umask()
+        os.chmod(tmp, mode | 0o111 & ~_umask())
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                os.chmod(f, mode)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
@@ -66,6 +100,18 @@ def write_jsonl_atomic(path: str | os.PathLike, records: Iterable[dict]) -> int:
             f.write("\n")
             n += 1
     return n
+
+
+def save_npy_atomic(path: str | os.PathLike, array) -> None:
+    """Save a numpy array in ``.npy`` format to ``path`` atomically.
+
+    Writes through a file handle: ``np.save`` given a file *name* would append
+    ``.npy`` to a temporary name that lacks it.
+    """
+    import numpy as np
+
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        np.save(f, array)
 
 
 def read_jsonl(path: str | os.PathLike) -> Iterator[dict]:

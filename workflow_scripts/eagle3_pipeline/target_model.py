@@ -14,11 +14,9 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from .io import InputError
+from .io import InputError, atomic_dir
 
 logger = logging.getLogger(__name__)
 
@@ -88,20 +86,11 @@ def materialize_builtin_target(out_dir: str | os.PathLike, dtype: str = "bfloat1
     model.tie_weights()
     model = model.to(torch_dtype)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    os.chmod(tmp, 0o755)
-    try:
+    with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if not (tmp / "chat_template.jinja").exists() and tokenizer.chat_template is None:
             raise RuntimeError("the embedded tokenizer has no chat template")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     logger.info("wrote %s (%s, %d parameters)", out_dir, dtype, sum(p.numel() for p in model.parameters()))
     return out_dir
 

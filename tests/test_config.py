@@ -1,0 +1,42 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eagle3_pipeline.config import ConfigError, validate_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_are_filled():
+    cfg = validate_config({})
+    assert cfg["vocab"]["draft_vocab_size"] == 8192
+    assert cfg["prompts"]["sources"] == [{"type": "builtin_sharegpt"}]
+    assert cfg["evaluation"]["prompts"] == {"type": "builtin_mtbench"}
+    assert cfg["training"]["ttt_steps"] == 3
+
+
+def test_defaults_are_not_shared_between_calls():
+    a = validate_config({})
+    a["prompts"]["sources"].append({"type": "file", "path": "x.jsonl"})
+    assert validate_config({})["prompts"]["sources"] == [{"type": "builtin_sharegpt"}]
+
+
+def test_unknown_key_is_an_error_naming_it():
+    with pytest.raises(ConfigError, match=r"training: Additional properties are not allowed \('lrr' was unexpected\)"):
+        validate_config({"training": {"lrr": 0.1}})
+
+
+def test_out_of_range_value_is_an_error():
+    with pytest.raises(ConfigError, match="vocab.draft_vocab_size"):
+        validate_config({"vocab": {"draft_vocab_size": 0}})
+
+
+def test_file_source_needs_a_path():
+    with pytest.raises(ConfigError, match="'path' is a required property"):
+        validate_config({"prompts": {"sources": [{"type": "file"}]}})
+
+
+@pytest.mark.parametrize("path", ["config/config.yaml", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "config" / "examples").glob("*.yaml"))])
+def test_shipped_configs_validate(path):
+    validate_config(yaml.safe_load((ROOT / path).read_text()))

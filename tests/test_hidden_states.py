@@ -1,0 +1,92 @@
+"""Hidden-state extraction on the real SmolLM2 target against independent transformers forwards."""
+
+import numpy as np
+import pytest
+import torch
+
+from eagle3_pipeline.conventions import loss_mask, resolve_layer_ids
+from eagle3_pipeline.hidden_states import Sample, ShardReader, extract_hf, load_hf_target, make_batches, sample_from_trace, write_shard
+
+
+@pytest.fixture(scope="module")
+def model(target_dir):
+    return load_hf_target(str(target_dir), "cpu")
+
+
+@pytest.fixture(scope="module")
+def samples(tokenizer):
+    out = []
+    for i, (q, a) in enumerate([("Name a color.", "Blue."), ("What is 2+2? Explain step by step.", "2 plus 2 equals 4, because adding two and two gives four."), ("Hi", "Hello! How can I help you today?")]):
+        p = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)["input_ids"]
+        c = tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        out.append(Sample(f"s{i}", np.array(p + c, dtype=np.int64), loss_mask(len(p), len(c))))
+    return out
+
+
+def test_make_batches_groups_by_length():
+    assert make_batches([5, 100, 7, 90], 200) == [[1, 3], [2, 0]]
+    assert make_batches([300, 10], 200) == [[0], [1]]  # oversize sample alone
+
+
+def test_states_equal_independent_forward_at_every_layer_id(model, samples):
+    n = model.config.num_hidden_layers
+    _, layer_ids = resolve_layer_ids([0, 2, 15, 27], n)
+    states = extract_hf(model, samples, layer_ids, batch_tokens=1, storage_dtype=torch.float32)  # batch size 1
+    for s, st in zip(samples, states, strict=True):
+        ids = torch.from_numpy(s.input_ids)[None]
+        with torch.no_grad():
+            ref = model(input_ids=ids, output_hidden_states=True)
+        assert st.shape == (len(s.input_ids), len(layer_ids), model.config.hidden_size)
+        for j, k in enumerate(layer_ids[:-1]):
+            assert torch.equal(st[:, j], ref.hidden_states[k][0].float()), f"layer id {k}"
+        # id n: the last layer's output *before* the final norm; transformers 5 gives the
+        # post-norm state at output_hidden_states[n], so check norm(captured) == that.
+        final = st[:, -1].to(model.dtype)
+        assert not torch.equal(final, ref.hidden_states[n][0])
+        assert torch.equal(model.model.norm(final[None])[0], ref.hidden_states[n][0])
+
+
+def test_batched_equals_batch_size_one(model, samples):
+    _, layer_ids = resolve_layer_ids(None, model.config.num_hidden_layers)
+    one = extract_hf(model, samples, layer_ids, batch_tokens=1, storage_dtype=torch.float32)
+    many = extract_hf(model, samples, layer_ids, batch_tokens=10_000, storage_dtype=torch.float32)
+    assert len(make_batches([len(s.input_ids) for s in samples], 10_000)) == 1
+    for a, b in zip(one, many, strict=True):
+        # bf16 model: different batch shapes change matmul blocking, so equality is
+        # within bf16 rounding of the residual stream magnitude, not bitwise.
+        scale = a.abs().amax(dim=(0, 2), keepdim=True)
+        assert ((a - b).abs() <= 0.02 * scale).all()
+
+
+def test_nan_states_name_the_sample(target_dir, samples):
+    m = load_hf_target(str(target_dir), "cpu")
+    with torch.no_grad():
+        m.model.layers[3].mlp.down_proj.weight[0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="sample s1"):
+        extract_hf(m, samples[1:2], [2, 30], batch_tokens=100, storage_dtype=torch.bfloat16)
+
+
+def test_shard_roundtrip(tmp_path, model, samples):
+    aux, layer_ids = resolve_layer_ids(None, model.config.num_hidden_layers)
+    states = extract_hf(model, samples, layer_ids, batch_tokens=4096, storage_dtype=torch.bfloat16)
+    index = write_shard(tmp_path / "shard-00000.safetensors", samples, states, layer_ids=layer_ids, aux_layer_ids=aux, index_path=tmp_path / "shard-00000.index.json")
+    assert index["num_samples"] == 3 and index["num_tokens"] == sum(len(s.input_ids) for s in samples)
+    assert not list(tmp_path.glob(".*tmp"))  # no temporary files left behind
+    r = ShardReader(tmp_path / "shard-00000.safetensors")
+    assert r.layer_ids == [2, 15, 27, 30] and r.aux_layer_ids == [2, 15, 27]
+    for i, s in enumerate(samples):
+        got = r.sample(i)
+        assert got["id"] == s.id
+        assert got["input_ids"].tolist() == s.input_ids.tolist()
+        assert got["loss_mask"].tolist() == s.loss_mask.tolist()
+        assert torch.equal(got["hidden_states"], states[i])
+
+
+def test_sample_from_trace_limits():
+    t = {"id": "x", "prompt_token_ids": [1, 2, 3], "completion_token_ids": [4, 5]}
+    s = sample_from_trace(t, 5)
+    assert s.input_ids.tolist() == [1, 2, 3, 4, 5] and s.loss_mask.tolist() == [0, 0, 0, 1, 1]
+    with pytest.raises(ValueError, match="trace x: 5 tokens exceed max_seq_len=4"):
+        sample_from_trace(t, 4)
+    with pytest.raises(ValueError, match="trace x: empty completion"):
+        sample_from_trace({**t, "completion_token_ids": []}, 5)

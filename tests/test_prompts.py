@@ -1,0 +1,126 @@
+import json
+
+import pytest
+
+from eagle3_pipeline.io import InputError
+from eagle3_pipeline.prompts import (
+    Decontaminator,
+    build_prompt_set,
+    canonical_messages,
+    iter_json_array,
+    load_eval_questions,
+    prompt_id,
+    split_shards,
+)
+
+SHAREGPT = {
+    "id": "a",
+    "conversations": [
+        {"from": "human", "value": "Hi there"},
+        {"from": "gpt", "value": "Hello!"},
+        {"from": "human", "value": "Tell me a joke"},
+        {"from": "gpt", "value": "No."},
+    ],
+}
+
+
+def test_sharegpt_first_and_multi_turn():
+    assert canonical_messages(SHAREGPT, "first") == [{"role": "user", "content": "Hi there"}]
+    assert canonical_messages(SHAREGPT, "multi") == [
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Tell me a joke"},
+    ]
+
+
+def test_openai_with_system_prompt():
+    raw = {"messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"}]}
+    assert canonical_messages(raw, "first") == raw["messages"]
+
+
+def test_leading_assistant_turn_is_dropped():
+    raw = [{"from": "gpt", "value": "orphan answer"}, {"from": "human", "value": "question"}]
+    assert canonical_messages(raw, "first") == [{"role": "user", "content": "question"}]
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "unknown_role"),
+        ({"messages": [{"role": "user", "content": "   "}]}, "empty_content"),
+        ({"messages": [{"role": "assistant", "content": "only an answer"}]}, "no_user_turn"),
+        ({"text": "no conversation"}, "bad_format"),
+        ({"messages": [{"role": "user", "content": 3}]}, "bad_format"),
+    ],
+)
+def test_bad_records_give_reason(raw, reason):
+    with pytest.raises(ValueError, match=f"^{reason}"):
+        canonical_messages(raw, "first")
+
+
+def test_prompt_id_is_stable_content_hash():
+    m = [{"role": "user", "content": "Hi"}]
+    assert prompt_id(m) == prompt_id([dict(x) for x in m])
+    assert prompt_id(m) != prompt_id([{"role": "user", "content": "Hi!"}])
+    assert len(prompt_id(m)) == 16
+
+
+def test_truncated_json_array_recovers_complete_records(tmp_path):
+    p = tmp_path / "t.json"
+    p.write_text('[\n {"id": 1, "x": [1,2]},\n {"id": 2},\n {"id": 3, "x": "unterminated')
+    assert [o["id"] for _, o in iter_json_array(p)] == [1, 2]
+
+
+def test_build_prompt_set_dedups_rejects_and_decontaminates(tmp_path):
+    p = tmp_path / "p.jsonl"
+    lines = [
+        json.dumps({"messages": [{"role": "user", "content": "What is a monad?"}]}),
+        json.dumps({"conversations": [{"from": "human", "value": "What is a monad?"}]}),  # duplicate across formats
+        "{not json",
+        json.dumps({"messages": [{"role": "user", "content": ""}]}),
+        json.dumps({"messages": [{"role": "user", "content": "Please compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences and must-see attractions."}]}),
+    ]
+    p.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    decon = Decontaminator([("mtbench:81", "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences and must-see attractions.")])
+    ps = build_prompt_set([{"type": "file", "path": str(p)}], decontaminator=decon)
+    assert [r["messages"][0]["content"] for r in ps.records] == ["What is a monad?"]
+    reasons = {r.reason: r for r in ps.rejects}
+    assert set(reasons) == {"duplicate", "bad_json", "empty_content", "contaminated"}
+    assert reasons["bad_json"].source == f"{p}:3"
+    assert "mtbench:81" in reasons["contaminated"].detail
+    assert ps.summary()["read"] == 5 and ps.summary()["rejected"] == 4
+
+
+def test_zero_usable_prompts_is_a_clear_error(tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"messages": [{"role": "user", "content": " "}]}) + "\n")
+    with pytest.raises(InputError, match="no usable prompts.*empty_content"):
+        build_prompt_set([{"type": "file", "path": str(p)}])
+
+
+def test_missing_source_file(tmp_path):
+    with pytest.raises(InputError, match="does not exist"):
+        build_prompt_set([{"type": "file", "path": str(tmp_path / "nope.jsonl")}])
+
+
+def test_max_prompts_selects_lowest_ids_and_reports_the_rest(tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"}]}) + "\n" for i in range(10)))
+    ps = build_prompt_set([{"type": "file", "path": str(p)}], max_prompts=4)
+    all_ids = sorted(prompt_id([{"role": "user", "content": f"q{i}"}]) for i in range(10))
+    assert [r["id"] for r in ps.records] == all_ids[:4]
+    assert sum(r.reason == "over_max_prompts" for r in ps.rejects) == 6
+
+
+def test_split_shards_sizes():
+    assert [len(s) for s in split_shards(list(range(10)), 3)] == [4, 3, 3]
+    with pytest.raises(InputError):
+        split_shards([1], 2)
+
+
+def test_builtin_sources_install_offline():
+    qs = load_eval_questions({"type": "builtin_mtbench"})
+    assert len(qs) == 80 and qs[0]["id"] == "mtbench:81" and len(qs[0]["turns"]) == 2
+    ps = build_prompt_set([{"type": "builtin_sharegpt"}], max_prompts=5)
+    assert ps.read > 17000  # ~17.6K complete conversations recovered from the truncated file
+    assert len(ps.records) == 5 and all(r["source"].startswith("sharegpt:") for r in ps.records)

@@ -1,0 +1,75 @@
+import numpy as np
+import pytest
+import torch
+from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+from eagle3_pipeline.io import InputError
+from eagle3_pipeline.vocab import build_mapping, count_supervised_tokens, coverage_report
+
+
+def independent_mapping(counts: np.ndarray, n: int):
+    """The convention written out independently: top-n by (-freq, id), pad lowest unused ids, sort."""
+    ids = [int(i) for i in np.flatnonzero(counts)]
+    ids.sort(key=lambda i: (-int(counts[i]), i))
+    chosen = ids[:n]
+    pad = (i for i in range(len(counts)) if i not in set(chosen))
+    while len(chosen) < n:
+        chosen.append(next(pad))
+    chosen.sort()
+    d2t = np.array(chosen) - np.arange(n)
+    t2d = np.zeros(len(counts), dtype=bool)
+    t2d[chosen] = True
+    return d2t, t2d
+
+
+def test_counts_only_given_tokens():
+    c = count_supervised_tokens([[5, 5, 7], [7, 9], []], 10)
+    assert c.tolist() == [0, 0, 0, 0, 0, 2, 0, 2, 0, 1]
+
+
+def test_count_rejects_foreign_ids():
+    with pytest.raises(InputError, match="outside the target vocabulary"):
+        count_supervised_tokens([[10]], 10)
+
+
+def test_exact_mapping_with_ties_and_padding():
+    counts = np.zeros(20, dtype=np.int64)
+    counts[[3, 17, 9, 12]] = [5, 5, 2, 7]  # 3 and 17 tie: 3 wins
+    d2t, t2d = build_mapping(counts, 3)
+    assert (np.arange(3) + d2t).tolist() == [3, 12, 17]  # top-3: 12 (7), 3 (5), 17 (5)
+    d2t, t2d = build_mapping(counts, 2)
+    assert (np.arange(2) + d2t).tolist() == [3, 12]  # tie 3/17 broken by lower id
+    # larger than the distinct tokens: pad with the lowest unused ids (0, 1, 2)
+    d2t, t2d = build_mapping(counts, 7)
+    assert (np.arange(7) + d2t).tolist() == [0, 1, 2, 3, 9, 12, 17]
+    assert t2d.sum() == 7 and t2d.dtype == np.bool_ and d2t.dtype == np.int64
+
+
+def test_bit_identical_to_speculators_and_independent_rule():
+    rng = np.random.default_rng(0)
+    v, n = 5000, 700
+    counts = np.zeros(v, dtype=np.int64)
+    idx = rng.choice(v, 1500, replace=False)
+    counts[idx] = rng.integers(1, 40, size=1500)  # many ties
+    d2t, t2d = build_mapping(counts, n)
+    freq = {int(i): int(counts[i]) for i in np.flatnonzero(counts)}
+    ref_d2t, ref_t2d = build_vocab_mappings_from_distribution(freq, n, v)
+    assert torch.equal(torch.from_numpy(d2t), ref_d2t)
+    assert torch.equal(torch.from_numpy(t2d), ref_t2d)
+    ind_d2t, ind_t2d = independent_mapping(counts, n)
+    assert np.array_equal(d2t, ind_d2t) and np.array_equal(t2d, ind_t2d)
+
+
+def test_draft_vocab_larger_than_target_is_an_error():
+    with pytest.raises(InputError, match="between 1 and the target vocabulary size 10"):
+        build_mapping(np.ones(10, dtype=np.int64), 11)
+
+
+def test_coverage_report():
+    counts = np.array([0, 6, 3, 1, 0], dtype=np.int64)
+    d2t, t2d = build_mapping(counts, 2)
+    rep = coverage_report(counts, t2d, 2)
+    assert rep["coverage"] == pytest.approx(0.9)
+    assert rep["distinct_supervised_tokens"] == 3
+    assert rep["ladder"]["2"] == pytest.approx(0.9)
+    assert rep["ladder"]["5"] == pytest.approx(1.0)
