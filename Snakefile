@@ -18,6 +18,6 @@ include: "rules/evaluate_drafter.smk"
 
 
 rule all:
+    default_target: True
     input:
         get_final_outputs(),
-    default_target: True

@@ -10,7 +10,11 @@ from snakemake.exceptions import WorkflowError
 
 from eagle3_pipeline.config import ConfigError, validate_config
 from eagle3_pipeline.io import InputError
-from eagle3_pipeline.target_model import BUILTIN_TARGET, check_target_dir, quick_identity
+from eagle3_pipeline.target_model import (
+    BUILTIN_TARGET,
+    check_target_dir,
+    quick_identity,
+)
 
 try:
     _validated = validate_config(config)
@@ -65,7 +69,9 @@ def get_prompt_shard(wildcards):
 
 
 def get_trace_shards(wildcards):
-    return expand("results/{run}/traces/shard-{shard}.jsonl", run=wildcards.run, shard=SHARDS)
+    return expand(
+        "results/{run}/traces/shard-{shard}.jsonl", run=wildcards.run, shard=SHARDS
+    )
 
 
 def get_trace_shard(wildcards):

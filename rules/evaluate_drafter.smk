@@ -7,20 +7,23 @@ rule evaluate_drafter:
     output:
         acceptance="results/{run}/eval/acceptance.json",
         outputs="results/{run}/eval/outputs.jsonl",
+    log:
+        "logs/{run}/evaluate_drafter.log",
+    benchmark:
+        "benchmarks/{run}/evaluate_drafter.tsv"
+    conda:
+        "../envs/cpu.yaml"
+    threads: THREADS
+    resources:
+        gpu=FULL_MODEL_GPUS,
+        full_model=1,
     params:
+        trust_remote_code=config["target"]["trust_remote_code"],
         evaluation=config["evaluation"],
         num_speculative_tokens=get_num_speculative_tokens(),
         generation=config["generation"],
         vllm=config["vllm"],
         seed=config["seed"],
         max_seq_len=config["max_seq_len"],
-    resources:
-        gpu=FULL_MODEL_GPUS,
-        full_model=1,
-    threads: THREADS
-    log:
-        "logs/{run}/evaluate_drafter.log",
-    benchmark:
-        "benchmarks/{run}/evaluate_drafter.tsv"
     script:
         "../workflow_scripts/evaluate_drafter.py"

@@ -5,17 +5,20 @@ rule extract_hidden_states:
     output:
         shard="results/{run}/hidden_states/shard-{shard}.safetensors",
         index="results/{run}/hidden_states/shard-{shard}.index.json",
-    params:
-        target_identity=get_target_identity(),
-        extraction=config["extraction"],
-        max_seq_len=config["max_seq_len"],
-    resources:
-        gpu=FULL_MODEL_GPUS,
-        full_model=1,
-    threads: THREADS
     log:
         "logs/{run}/extract_hidden_states/shard-{shard}.log",
     benchmark:
         "benchmarks/{run}/extract_hidden_states/shard-{shard}.tsv"
+    conda:
+        "../envs/cpu.yaml"
+    threads: THREADS
+    resources:
+        gpu=FULL_MODEL_GPUS,
+        full_model=1,
+    params:
+        trust_remote_code=config["target"]["trust_remote_code"],
+        target_identity=get_target_identity(),
+        extraction=config["extraction"],
+        max_seq_len=config["max_seq_len"],
     script:
         "../workflow_scripts/extract_hidden_states.py"

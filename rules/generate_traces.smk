@@ -6,19 +6,22 @@ rule generate_traces:
         traces="results/{run}/traces/shard-{shard}.jsonl",
         rejects="results/{run}/traces/shard-{shard}.rejects.jsonl",
         summary="results/{run}/traces/shard-{shard}.summary.json",
+    log:
+        "logs/{run}/generate_traces/shard-{shard}.log",
+    benchmark:
+        "benchmarks/{run}/generate_traces/shard-{shard}.tsv"
+    conda:
+        "../envs/cpu.yaml"
+    threads: THREADS
+    resources:
+        gpu=FULL_MODEL_GPUS,
+        full_model=1,
     params:
+        trust_remote_code=config["target"]["trust_remote_code"],
         target_identity=get_target_identity(),
         generation=config["generation"],
         vllm=config["vllm"],
         seed=config["seed"],
         max_seq_len=config["max_seq_len"],
-    resources:
-        gpu=FULL_MODEL_GPUS,
-        full_model=1,
-    threads: THREADS
-    log:
-        "logs/{run}/generate_traces/shard-{shard}.log",
-    benchmark:
-        "benchmarks/{run}/generate_traces/shard-{shard}.tsv"
     script:
         "../workflow_scripts/generate_traces.py"

@@ -3,11 +3,13 @@ rule prepare_prompts:
         shards=expand("results/{{run}}/prompts/shard-{shard}.jsonl", shard=SHARDS),
         rejects="results/{run}/prompts/rejects.jsonl",
         summary="results/{run}/prompts/summary.json",
+    log:
+        "logs/{run}/prepare_prompts.log",
+    conda:
+        "../envs/cpu.yaml"
     params:
         prompts=config["prompts"],
         eval_prompts=config["evaluation"]["prompts"],
-    log:
-        "logs/{run}/prepare_prompts.log",
     script:
         "../workflow_scripts/prepare_prompts.py"
 
@@ -15,10 +17,12 @@ rule prepare_prompts:
 rule prepare_eval_prompts:
     output:
         "results/{run}/eval/prompts.jsonl",
+    log:
+        "logs/{run}/prepare_eval_prompts.log",
+    conda:
+        "../envs/cpu.yaml"
     params:
         source=config["evaluation"]["prompts"],
         max_prompts=config["evaluation"]["max_prompts"],
-    log:
-        "logs/{run}/prepare_eval_prompts.log",
     script:
         "../workflow_scripts/prepare_eval_prompts.py"

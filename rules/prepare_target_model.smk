@@ -1,12 +1,14 @@
 rule prepare_target_model:
     output:
         directory(BUILTIN_TARGET_DIR),
-    params:
-        dtype=config["target"]["dtype"],
     log:
         "logs/prepare_target_model.log",
     benchmark:
         "benchmarks/prepare_target_model.tsv"
+    conda:
+        "../envs/cpu.yaml"
     threads: THREADS
+    params:
+        dtype=config["target"]["dtype"],
     script:
         "../workflow_scripts/prepare_target_model.py"

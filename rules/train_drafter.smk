@@ -8,16 +8,19 @@ rule train_drafter:
         drafter=directory("results/{run}/drafter"),
         metrics="results/{run}/train/metrics.jsonl",
         summary="results/{run}/train/summary.json",
-    params:
-        training=config["training"],
-        seed=config["seed"],
-        max_seq_len=config["max_seq_len"],
-    resources:
-        gpu=config["resources"]["train_gpus"],
-    threads: THREADS
     log:
         "logs/{run}/train_drafter.log",
     benchmark:
         "benchmarks/{run}/train_drafter.tsv"
+    conda:
+        "../envs/cpu.yaml"
+    threads: THREADS
+    resources:
+        gpu=config["resources"]["train_gpus"],
+    params:
+        trust_remote_code=config["target"]["trust_remote_code"],
+        training=config["training"],
+        seed=config["seed"],
+        max_seq_len=config["max_seq_len"],
     script:
         "../workflow_scripts/train_drafter.py"

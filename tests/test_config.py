@@ -37,6 +37,8 @@ def test_file_source_needs_a_path():
         validate_config({"prompts": {"sources": [{"type": "file"}]}})
 
 
-@pytest.mark.parametrize("path", ["config/config.yaml", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "config" / "examples").glob("*.yaml"))])
+@pytest.mark.parametrize(
+    "path", ["config/config.yaml", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "config" / "examples").glob("*.yaml"))]
+)
 def test_shipped_configs_validate(path):
     validate_config(yaml.safe_load((ROOT / path).read_text()))

@@ -16,7 +16,13 @@ def model(target_dir):
 @pytest.fixture(scope="module")
 def samples(tokenizer):
     out = []
-    for i, (q, a) in enumerate([("Name a color.", "Blue."), ("What is 2+2? Explain step by step.", "2 plus 2 equals 4, because adding two and two gives four."), ("Hi", "Hello! How can I help you today?")]):
+    for i, (q, a) in enumerate(
+        [
+            ("Name a color.", "Blue."),
+            ("What is 2+2? Explain step by step.", "2 plus 2 equals 4, because adding two and two gives four."),
+            ("Hi", "Hello! How can I help you today?"),
+        ]
+    ):
         p = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)["input_ids"]
         c = tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         out.append(Sample(f"s{i}", np.array(p + c, dtype=np.int64), loss_mask(len(p), len(c))))
@@ -69,7 +75,14 @@ def test_nan_states_name_the_sample(target_dir, samples):
 def test_shard_roundtrip(tmp_path, model, samples):
     aux, layer_ids = resolve_layer_ids(None, model.config.num_hidden_layers)
     states = extract_hf(model, samples, layer_ids, batch_tokens=4096, storage_dtype=torch.bfloat16)
-    index = write_shard(tmp_path / "shard-00000.safetensors", samples, states, layer_ids=layer_ids, aux_layer_ids=aux, index_path=tmp_path / "shard-00000.index.json")
+    index = write_shard(
+        tmp_path / "shard-00000.safetensors",
+        samples,
+        states,
+        layer_ids=layer_ids,
+        aux_layer_ids=aux,
+        index_path=tmp_path / "shard-00000.index.json",
+    )
     assert index["num_samples"] == 3 and index["num_tokens"] == sum(len(s.input_ids) for s in samples)
     assert not list(tmp_path.glob(".*tmp"))  # no temporary files left behind
     r = ShardReader(tmp_path / "shard-00000.safetensors")

@@ -78,10 +78,26 @@ def test_build_prompt_set_dedups_rejects_and_decontaminates(tmp_path):
         json.dumps({"conversations": [{"from": "human", "value": "What is a monad?"}]}),  # duplicate across formats
         "{not json",
         json.dumps({"messages": [{"role": "user", "content": ""}]}),
-        json.dumps({"messages": [{"role": "user", "content": "Please compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences and must-see attractions."}]}),
+        json.dumps(
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": "Please compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences and must-see attractions.",
+                    }
+                ]
+            }
+        ),
     ]
     p.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    decon = Decontaminator([("mtbench:81", "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences and must-see attractions.")])
+    decon = Decontaminator(
+        [
+            (
+                "mtbench:81",
+                "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences and must-see attractions.",
+            )
+        ]
+    )
     ps = build_prompt_set([{"type": "file", "path": str(p)}], decontaminator=decon)
     assert [r["messages"][0]["content"] for r in ps.records] == ["What is a monad?"]
     reasons = {r.reason: r for r in ps.rejects}

@@ -11,7 +11,7 @@ if __name__ == "__main__":
     sm = snakemake  # noqa: F821 (injected by Snakemake)
     start_log(sm.log[0])
     completions = (t["completion_token_ids"] for path in sm.input.traces for t in read_jsonl(path))
-    counts = count_supervised_tokens(completions, target_vocab_size(sm.input.target))
+    counts = count_supervised_tokens(completions, target_vocab_size(sm.input.target, sm.params.trust_remote_code))
     d2t, t2d = build_mapping(counts, sm.params.draft_vocab_size)
     for key, arr in (("token_freq", counts), ("d2t", d2t), ("t2d", t2d)):
         save_npy_atomic(sm.output[key], arr)
@@ -19,6 +19,9 @@ if __name__ == "__main__":
     write_json_atomic(sm.output.coverage, report)
     logging.getLogger("build_vocab_mapping").info(
         "draft vocab %d of %d: coverage %.4f of %d supervised tokens (%d distinct)",
-        report["draft_vocab_size"], report["target_vocab_size"], report["coverage"],
-        report["supervised_tokens"], report["distinct_supervised_tokens"],
+        report["draft_vocab_size"],
+        report["target_vocab_size"],
+        report["coverage"],
+        report["supervised_tokens"],
+        report["distinct_supervised_tokens"],
     )

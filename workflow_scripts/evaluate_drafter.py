@@ -16,11 +16,24 @@ if __name__ == "__main__":
     drafter = str(Path(sm.input.drafter).resolve())
     spec = {"method": "eagle3", "model": drafter, "num_speculative_tokens": k}
     load = Timer()
-    llm = build_llm(sm.input.target, sm.params.vllm, seed=sm.params.seed, max_model_len=sm.params.max_seq_len, speculative_config=spec)
+    llm = build_llm(
+        sm.input.target,
+        sm.params.vllm,
+        seed=sm.params.seed,
+        max_model_len=sm.params.max_seq_len,
+        speculative_config=spec,
+        trust_remote_code=sm.params.trust_remote_code,
+    )
     load_s = load.seconds
     questions = list(read_jsonl(sm.input.prompts))
     run = Timer()
-    report, rows = run_eval(llm, load_tokenizer(sm.input.target), questions, sm.params.evaluation | {"num_speculative_tokens": k}, sm.params.generation["chat_template_kwargs"])
+    report, rows = run_eval(
+        llm,
+        load_tokenizer(sm.input.target, sm.params.trust_remote_code),
+        questions,
+        sm.params.evaluation | {"num_speculative_tokens": k},
+        sm.params.generation["chat_template_kwargs"],
+    )
     train_summary = read_json(sm.input.train_summary)
     report |= {
         "drafter": drafter,
@@ -31,4 +44,6 @@ if __name__ == "__main__":
     }
     write_jsonl_atomic(sm.output.outputs, rows)
     write_json_atomic(sm.output.acceptance, report)
-    logging.getLogger("evaluate_drafter").info("acceptance length tau = %.3f (%d drafts)", report["acceptance_length"], report["num_drafts"])
+    logging.getLogger("evaluate_drafter").info(
+        "acceptance length tau = %.3f (%d drafts)", report["acceptance_length"], report["num_drafts"]
+    )

@@ -16,12 +16,20 @@ if __name__ == "__main__":
     target = sm.input.target
     model = {"path": target, "fingerprint": model_fingerprint(target)}
     load = Timer()
-    llm = build_llm(target, sm.params.vllm, seed=sm.params.seed, max_model_len=sm.params.max_seq_len)
+    llm = build_llm(
+        target, sm.params.vllm, seed=sm.params.seed, max_model_len=sm.params.max_seq_len, trust_remote_code=sm.params.trust_remote_code
+    )
     load_s = load.seconds
     gen = Timer()
     res = generate_shard(
-        llm, load_tokenizer(target), records, sm.params.generation,
-        max_seq_len=sm.params.max_seq_len, seed=sm.params.seed, engine=engine_identity(), model=model,
+        llm,
+        load_tokenizer(target, sm.params.trust_remote_code),
+        records,
+        sm.params.generation,
+        max_seq_len=sm.params.max_seq_len,
+        seed=sm.params.seed,
+        engine=engine_identity(),
+        model=model,
     )
     gen_s = gen.seconds
     summary = res.summary() | {

@@ -14,9 +14,15 @@ if __name__ == "__main__":
     start_log(sm.log[0])
     torch.set_num_threads(sm.threads)
     summary = train(
-        list(sm.input.shards), str(Path(sm.input.d2t).parent), str(Path(sm.input.target).resolve()),
-        sm.output.drafter, sm.output.metrics, sm.params.training,
-        seed=sm.params.seed, max_seq_len=sm.params.max_seq_len,
+        list(sm.input.shards),
+        str(Path(sm.input.d2t).parent),
+        str(Path(sm.input.target).resolve()),
+        sm.output.drafter,
+        sm.output.metrics,
+        sm.params.training,
+        seed=sm.params.seed,
+        max_seq_len=sm.params.max_seq_len,
+        trust_remote_code=sm.params.trust_remote_code,
     )
     write_json_atomic(sm.output.summary, summary)
     logging.getLogger("train_drafter").info("training: %s", summary)

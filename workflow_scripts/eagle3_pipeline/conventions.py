@@ -61,7 +61,9 @@ def resolve_layer_ids(aux_layer_ids: Sequence[int] | None, num_hidden_layers: in
         raise ValueError("aux layer ids must not be empty")
     bad = [i for i in aux if i < 0 or i >= n]
     if bad:
-        raise ValueError(f"aux layer ids {bad} out of range: the target has {n} layers, valid aux ids are 0..{n - 1} (id {n} is the final layer, always captured)")
+        raise ValueError(
+            f"aux layer ids {bad} out of range: the target has {n} layers, valid aux ids are 0..{n - 1} (id {n} is the final layer, always captured)"
+        )
     if len(set(aux)) != len(aux):
         raise ValueError(f"aux layer ids repeat: {aux}")
     return aux, aux + [n]

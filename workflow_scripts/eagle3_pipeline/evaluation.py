@@ -44,8 +44,9 @@ def spec_decode_counters(metrics: Iterable) -> dict:
             out[COUNTERS[m.name]] += int(m.value)
             found = True
         elif m.name == PER_POS:
-            vals = list(m.values)
-            per_pos = [a + b for a, b in zip(per_pos + [0] * (len(vals) - len(per_pos)), vals)]
+            vals = [int(v) for v in m.values]
+            per_pos += [0] * (len(vals) - len(per_pos))
+            per_pos = [a + (vals[i] if i < len(vals) else 0) for i, a in enumerate(per_pos)]
     if not found:
         raise RuntimeError("vLLM reported no spec_decode counters: speculative decoding was not active")
     out["accepted_per_position"] = per_pos

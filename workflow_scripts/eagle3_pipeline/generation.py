@@ -101,7 +101,7 @@ def generate_shard(
     seed: int,
     engine: dict,
     model: dict,
-    chunk_size: int = 256,
+    chunk_size: int = 1024,
 ) -> ShardResult:
     """Generate one completion per prompt record with ``llm`` (a ``vllm.LLM``).
 
@@ -138,7 +138,13 @@ def generate_shard(
             continue
         room = max_seq_len - len(ids)
         if room < min_completion:
-            res.rejects.append(Reject(rec["id"], "prompt_too_long", f"{len(ids)} prompt tokens leave {room} < {min_completion} for the completion within max_seq_len={max_seq_len}"))
+            res.rejects.append(
+                Reject(
+                    rec["id"],
+                    "prompt_too_long",
+                    f"{len(ids)} prompt tokens leave {room} < {min_completion} for the completion within max_seq_len={max_seq_len}",
+                )
+            )
             continue
         todo.append((rec, ids, min(sampling["max_tokens"], room)))
 

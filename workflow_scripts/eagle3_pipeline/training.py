@@ -97,7 +97,9 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def build_drafter(target_path: str, d2t: np.ndarray, t2d: np.ndarray, aux_layer_ids: list[int], cfg: dict, device: str):
+def build_drafter(
+    target_path: str, d2t: np.ndarray, t2d: np.ndarray, aux_layer_ids: list[int], cfg: dict, device: str, trust_remote_code: bool = False
+):
     """A fresh ``Eagle3DraftModel`` for the target, by speculators' own builders.
 
     The draft decoder is a Llama layer stack shaped after the target
@@ -115,6 +117,7 @@ def build_drafter(target_path: str, d2t: np.ndarray, t2d: np.ndarray, aux_layer_
         hidden_act=None,
         sliding_window=cfg["max_seq_len_hint"],
         full_attention_indices=list(range(n)),
+        trust_remote_code=trust_remote_code,
     )
     attn = cfg["attn_implementation"]
     if attn == "auto":
@@ -131,6 +134,7 @@ def build_drafter(target_path: str, d2t: np.ndarray, t2d: np.ndarray, aux_layer_
         norm_output=cfg["norm_output"],
         ttt_steps=cfg["ttt_steps"],
         draft_attn_impl=attn,
+        trust_remote_code=trust_remote_code,
     )
     return model.to(device)
 
@@ -154,7 +158,9 @@ def _loader(dataset: ShardDataset, total_seq_len: int, hidden_size: int, num_aux
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
     from torch.utils.data import DataLoader
 
-    sampler = MultipackDistributedBatchSamplerV2(batch_max_length=total_seq_len, lengths=dataset.approx_lengths, num_replicas=1, rank=0, seed=seed)
+    sampler = MultipackDistributedBatchSamplerV2(
+        batch_max_length=total_seq_len, lengths=dataset.approx_lengths, num_replicas=1, rank=0, seed=seed
+    )
     collate = CollateFn(total_seq_len, hidden_size, num_target_layers=num_aux, dtype=dataset.hidden_states_dtype, preprocess=shift_batch)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=0)
 
@@ -184,7 +190,18 @@ def evaluate_offline(model, loader, call_kwargs: dict, device: str, autocast_dty
     return _step_metrics(dict(sums)) if sums else {}
 
 
-def train(shards: list[str], vocab_dir: str, target_path: str, out_dir: str, metrics_path: str, cfg: dict, *, seed: int, max_seq_len: int) -> dict:
+def train(
+    shards: list[str],
+    vocab_dir: str,
+    target_path: str,
+    out_dir: str,
+    metrics_path: str,
+    cfg: dict,
+    *,
+    seed: int,
+    max_seq_len: int,
+    trust_remote_code: bool = False,
+) -> dict:
     """Train a drafter and write it (speculators format) to ``out_dir``.
 
     Args:
@@ -197,6 +214,7 @@ def train(shards: list[str], vocab_dir: str, target_path: str, out_dir: str, met
         seed: RNG seed (model init, packing order).
         max_seq_len: the pipeline's sequence limit in tokens; packs hold
             ``max(cfg["pack_tokens"], max_seq_len)`` tokens so no sample is cut.
+        trust_remote_code: allow the target's own config code.
 
     Returns:
         a summary dict (steps, tokens seen, tokens/s, final validation metrics).
@@ -225,7 +243,7 @@ def train(shards: list[str], vocab_dir: str, target_path: str, out_dir: str, met
     hs_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg["hidden_states_dtype"]]
     autocast = {"bfloat16": torch.bfloat16, "none": None}[cfg["autocast"]]
     total_seq_len = max(cfg["pack_tokens"], max_seq_len)
-    model = build_drafter(target_path, d2t, t2d, aux, {**cfg, "max_seq_len_hint": total_seq_len}, device)
+    model = build_drafter(target_path, d2t, t2d, aux, {**cfg, "max_seq_len_hint": total_seq_len}, device, trust_remote_code)
     hidden_size = model.hidden_size
 
     train_items, val_items = split_items(readers, cfg["val_fraction"])
@@ -244,11 +262,23 @@ def train(shards: list[str], vocab_dir: str, target_path: str, out_dir: str, met
     loss_impl = cfg["loss_implementation"]
     if loss_impl == "auto":
         loss_impl = "fused" if device.startswith("cuda") else "eager"
-    call_kwargs = {"ttt_steps": cfg["ttt_steps"], "ttt_step_loss_decay": cfg["ttt_step_loss_decay"], "loss_config": resolve_loss_config(cfg["loss"], loss_impl)}
+    call_kwargs = {
+        "ttt_steps": cfg["ttt_steps"],
+        "ttt_step_loss_decay": cfg["ttt_step_loss_decay"],
+        "loss_config": resolve_loss_config(cfg["loss"], loss_impl),
+    }
 
     logger.info(
         "training: %d train / %d val samples, %d steps (%d/epoch x %d epochs), pack %d tokens, device %s, aux layers %s, draft vocab %d",
-        len(train_items), len(val_items), total_steps, steps_per_epoch, cfg["epochs"], total_seq_len, device, aux, d2t.shape[0],
+        len(train_items),
+        len(val_items),
+        total_steps,
+        steps_per_epoch,
+        cfg["epochs"],
+        total_seq_len,
+        device,
+        aux,
+        d2t.shape[0],
     )
     timer = Timer()
     step = 0
@@ -281,10 +311,25 @@ def train(shards: list[str], vocab_dir: str, target_path: str, out_dir: str, met
                 step += 1
                 last_train = _step_metrics(metrics)
                 if step % cfg["log_every_steps"] == 0 or step == total_steps:
-                    line = {"split": "train", "step": step, "epoch": epoch, "tokens": tokens_seen, "seconds": round(timer.seconds, 3), "lr": schedulers[0].get_last_lr()[0], **last_train}
+                    line = {
+                        "split": "train",
+                        "step": step,
+                        "epoch": epoch,
+                        "tokens": tokens_seen,
+                        "seconds": round(timer.seconds, 3),
+                        "lr": schedulers[0].get_last_lr()[0],
+                        **last_train,
+                    }
                     mf.write(json.dumps(line) + "\n")
                     mf.flush()
-                    logger.info("step %d/%d loss %.4f acc0 %.3f tok/s %.0f", step, total_steps, last_train.get("loss", float("nan")), last_train.get("full_acc_0", float("nan")), tokens_seen / max(timer.seconds, 1e-9))
+                    logger.info(
+                        "step %d/%d loss %.4f acc0 %.3f tok/s %.0f",
+                        step,
+                        total_steps,
+                        last_train.get("loss", float("nan")),
+                        last_train.get("full_acc_0", float("nan")),
+                        tokens_seen / max(timer.seconds, 1e-9),
+                    )
                 bar.update(1)
             if val_loader is not None:
                 val_metrics = evaluate_offline(model, val_loader, call_kwargs, device, autocast)

@@ -1,0 +1,237 @@
+"""End-to-end: the real workflow on a reduced config of the embedded default, through snakemake.api.
+
+One run (module fixture) of every stage with the real SmolLM2-135M-Instruct target and
+real ShareGPT/MT-Bench prompts; the tests then check the values each stage wrote.
+"""
+
+import json
+import re
+import subprocess
+import sys
+from collections import Counter
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.e2e
+
+SMALL = {
+    "run": "e2e",
+    "prompts": {"max_prompts": 12, "num_shards": 2},
+    "generation": {"max_tokens": 40},
+    "vllm": {"cpu_kvcache_space_gib": 2},
+    "vocab": {"draft_vocab_size": 2048},
+    "extraction": {"batch_tokens": 1},
+    "training": {"epochs": 2, "pack_tokens": 1024, "val_fraction": 0.2, "log_every_steps": 1},
+    "evaluation": {"max_prompts": 4, "max_tokens": 32},
+}
+FULL_MODEL_RULES = {"generate_traces", "extract_hidden_states", "evaluate_drafter"}
+
+
+def run_api(workdir: Path, configfile: Path, cores: int = 4, resources: dict | None = None) -> None:
+    from snakemake.api import SnakemakeApi
+    from snakemake.settings.types import ConfigSettings, DAGSettings, ExecutionSettings, OutputSettings, ResourceSettings
+
+    with SnakemakeApi(OutputSettings(show_failed_logs=True)) as api:
+        wf = api.workflow(
+            resource_settings=ResourceSettings(cores=cores, resources=resources or {}),
+            config_settings=ConfigSettings(configfiles=[configfile]),
+            snakefile=ROOT / "Snakefile",
+            workdir=workdir,
+        )
+        wf.dag(DAGSettings()).execute_workflow(executor="local", execution_settings=ExecutionSettings(latency_wait=5))
+
+
+def dry_run_jobs(workdir: Path, configfile: Path) -> Counter:
+    """Jobs `snakemake -n` would run, by rule (the CLI a user types)."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "-n",
+            "--cores",
+            "2",
+            "-s",
+            str(ROOT / "Snakefile"),
+            "-d",
+            str(workdir),
+            "--configfile",
+            str(configfile),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    if "Nothing to be done" in out:
+        return Counter()
+    table = out[out.index("Job stats:") :].split("\n")
+    jobs = Counter()
+    for line in table[3:]:
+        m = re.match(r"^(\w+)\s+(\d+)$", line.strip())
+        if not m:
+            break
+        if m.group(1) != "total":
+            jobs[m.group(1)] = int(m.group(2))
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    wd = tmp_path_factory.mktemp("wd")
+    (wd / "config").symlink_to(ROOT / "config")
+    cfg = wd / "small.yaml"
+    cfg.write_text(yaml.safe_dump(SMALL))
+    # another --resources flag must not lift the full-model lock
+    run_api(wd, cfg, cores=4, resources={"mem_gb": 100})
+    return wd, cfg, wd / "results" / "e2e"
+
+
+def read_jsonl(path):
+    return [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+
+
+def traces(res):
+    return [t for p in sorted((res / "traces").glob("shard-*[0-9].jsonl")) for t in read_jsonl(p)]
+
+
+def test_prompt_ids_decode_to_the_templated_prompt(run, tokenizer):
+    _, _, res = run
+    ts = traces(res)
+    assert len(ts) == 12
+    for t in ts:
+        text = tokenizer.apply_chat_template(t["messages"], add_generation_prompt=True, tokenize=False)
+        assert tokenizer.decode(t["prompt_token_ids"]) == text
+        assert t["engine"]["name"] == "vllm" and t["sampling"]["temperature"] == 0.0 and len(t["model"]["fingerprint"]) == 64
+
+
+def test_completion_ids_decode_to_the_stored_text(run, tokenizer):
+    _, _, res = run
+    for t in traces(res):
+        assert tokenizer.decode(t["completion_token_ids"], skip_special_tokens=True) == t["text"]
+        assert t["finish_reason"] in ("stop", "length")
+        assert len(t["completion_token_ids"]) <= 40
+        if t["finish_reason"] == "stop":
+            assert t["completion_token_ids"][-1] == tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_vocab_mapping_equals_speculators_on_independent_counts(run):
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    _, _, res = run
+    freq = Counter(i for t in traces(res) for i in t["completion_token_ids"])
+    d2t_ref, t2d_ref = build_vocab_mappings_from_distribution(dict(freq), 2048, 49152)
+    d2t, t2d = np.load(res / "vocab/d2t.npy"), np.load(res / "vocab/t2d.npy")
+    assert d2t.dtype == np.int64 and t2d.dtype == np.bool_
+    assert torch.equal(torch.from_numpy(d2t), d2t_ref) and torch.equal(torch.from_numpy(t2d), t2d_ref)
+    cov = json.loads((res / "vocab/coverage.json").read_text())
+    assert cov["coverage"] == pytest.approx(1.0)  # fewer distinct tokens than 2048: all covered
+    assert cov["distinct_supervised_tokens"] == len(freq)
+
+
+def test_hidden_states_and_mask_equal_an_independent_forward(run, target_dir, tokenizer):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    _, _, res = run
+    by_id = {t["id"]: t for t in traces(res)}
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.bfloat16).eval()
+    for shard in sorted((res / "hidden_states").glob("shard-*.safetensors")):
+        index = json.loads(shard.with_name(shard.name.replace(".safetensors", ".index.json")).read_text())
+        assert index["layer_ids"] == [2, 15, 27, 30] and index["dtype"] == "bfloat16"
+        with safe_open(str(shard), framework="pt") as f:
+            hs, ids, mask, offs = (f.get_tensor(k) for k in ("hidden_states", "input_ids", "loss_mask", "offsets"))
+        smp = index["samples"][0]
+        t = by_id[smp["id"]]
+        a, b = int(offs[0]), int(offs[1])
+        n_p, n_c = len(t["prompt_token_ids"]), len(t["completion_token_ids"])
+        assert ids[a:b].tolist() == t["prompt_token_ids"] + t["completion_token_ids"]
+        assert mask[a:b].tolist() == [False] * n_p + [True] * n_c  # 0 on prompt, 1 on completion
+        with torch.no_grad():
+            ref = model(input_ids=ids[a:b][None], output_hidden_states=True).hidden_states
+        for j, k in enumerate([2, 15, 27]):
+            assert torch.equal(hs[a:b, j], ref[k][0]), f"layer id {k}"
+        assert torch.equal(model.model.norm(hs[a:b, 3][None])[0], ref[30][0])  # id n is pre-norm
+
+
+def test_checkpoint_loads_with_speculators_and_keeps_conventions(run, target_dir):
+    from safetensors.torch import load_file
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    _, _, res = run
+    ckpt = res / "drafter"
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3"
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert (
+        Path(cfg["speculators_config"]["verifier"]["name_or_path"]).resolve()
+        == (res.parents[1] / "resources/models/smollm2-135m-instruct").resolve()
+    )
+    assert cfg["transformer_layer_config"]["layer_types"] == ["full_attention"]
+    model = Eagle3DraftModel.from_pretrained(str(ckpt))
+    target = load_file(str(target_dir / "model.safetensors"))
+    t2d = np.load(res / "vocab/t2d.npy")
+    assert torch.equal(model.embed_tokens.weight.to(torch.bfloat16), target["model.embed_tokens.weight"])
+    assert torch.equal(model.t2d.cpu(), torch.from_numpy(t2d)) and torch.equal(
+        model.d2t.cpu(), torch.from_numpy(np.load(res / "vocab/d2t.npy"))
+    )
+    # lm_head: the target's (tied) rows for the draft vocab
+    assert torch.equal(model.lm_head.weight.to(torch.bfloat16), target["model.embed_tokens.weight"][torch.from_numpy(t2d)])
+
+
+def test_training_logged_loss_and_per_position_accuracy(run):
+    _, _, res = run
+    lines = read_jsonl(res / "train/metrics.jsonl")
+    train = [x for x in lines if x["split"] == "train"]
+    assert [x["step"] for x in train] == list(range(1, len(train) + 1))
+    assert all({"loss", "full_acc_0", "full_acc_1", "full_acc_2"} <= set(x) for x in train)
+    assert any(x["split"] == "val" for x in lines)
+
+
+def test_acceptance_length_read_from_vllm_counters(run):
+    _, _, res = run
+    acc = json.loads((res / "eval/acceptance.json").read_text())
+    assert acc["num_drafts"] > 0 and acc["num_prompts"] == 4
+    assert acc["acceptance_length"] == pytest.approx(1 + acc["num_accepted_tokens"] / acc["num_drafts"])
+    assert acc["acceptance_length"] >= 1.0
+    assert len(acc["per_position_acceptance_rate"]) == 3
+    assert acc["engine"]["platform"] == "cpu"
+
+
+def _job_intervals(workdir: Path) -> list[tuple[str, datetime, datetime]]:
+    """(rule, start, end) of each job from Snakemake's own run log."""
+    (log,) = sorted((workdir / ".snakemake" / "log").glob("*.snakemake.log"))[:1]
+    stamp, starts, rules, out = None, {}, {}, []
+    lines = log.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if m := re.match(r"^\[(\w{3} \w{3}\s+\d+ \d\d:\d\d:\d\d \d{4})\]$", line):
+            stamp = datetime.strptime(m.group(1), "%a %b %d %H:%M:%S %Y")
+        elif m := re.match(r"^(?:local)?rule (\w+):$", line):
+            jid = next(int(x.split(":")[1]) for x in lines[i + 1 : i + 12] if x.strip().startswith("jobid:"))
+            starts[jid], rules[jid] = stamp, m.group(1)
+        elif m := re.match(r"^Finished jobid: (\d+)", line):
+            jid = int(m.group(1))
+            out.append((rules[jid], starts[jid], stamp))
+    return out
+
+
+def test_full_model_jobs_never_overlap(run):
+    wd, _, _ = run
+    jobs = sorted((j for j in _job_intervals(wd) if j[0] in FULL_MODEL_RULES), key=lambda j: j[1])
+    assert len(jobs) == 5  # 2 generation + 2 extraction + 1 evaluation
+    for (r1, _, end1), (r2, start2, _) in zip(jobs, jobs[1:], strict=False):
+        assert start2 >= end1, f"{r2} started before {r1} finished"
+
+
+def test_dry_run_is_clean_and_vocab_change_reruns_only_dependents(run):
+    wd, cfg, _ = run
+    assert dry_run_jobs(wd, cfg) == Counter()
+    changed = wd / "changed.yaml"
+    changed.write_text(yaml.safe_dump({**SMALL, "vocab": {"draft_vocab_size": 1024}}))
+    assert dry_run_jobs(wd, changed) == Counter({"build_vocab_mapping": 1, "train_drafter": 1, "evaluate_drafter": 1, "all": 1})

@@ -1,0 +1,64 @@
+"""Prompt rendering, reasoning split and spec-decode counter parsing (no engine needed)."""
+
+import pytest
+
+from eagle3_pipeline.evaluation import acceptance_report, spec_decode_counters
+from eagle3_pipeline.generation import render_prompt_ids, split_reasoning
+
+
+def test_render_prompt_ids_decodes_to_the_chat_template(tokenizer):
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = render_prompt_ids(tokenizer, msgs)
+    assert all(isinstance(i, int) for i in ids)
+    text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert tokenizer.decode(ids) == text
+    # SmolLM2's template adds its default system prompt and ends with the assistant header
+    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert text.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_render_prompt_ids_requires_a_template(tokenizer):
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        render_prompt_ids(tok, [{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize(
+    ("text", "reasoning", "answer"),
+    [
+        ("<think>plan</think>\n\nThe answer.", "plan", "The answer."),
+        ("plan</think>The answer.", "plan", "The answer."),  # opening tag was in the template
+        ("<think>still thinking", "still thinking", ""),  # truncated inside reasoning
+        ("Just an answer.", None, "Just an answer."),
+    ],
+)
+def test_split_reasoning(text, reasoning, answer):
+    assert split_reasoning(text) == (reasoning, answer)
+
+
+def test_spec_decode_counters_and_tau():
+    from vllm.v1.metrics.reader import Counter, Gauge, Vector
+
+    metrics = [
+        Counter(name="vllm:spec_decode_num_drafts", labels={"engine": "0"}, value=10),
+        Counter(name="vllm:spec_decode_num_draft_tokens", labels={"engine": "0"}, value=30),
+        Counter(name="vllm:spec_decode_num_accepted_tokens", labels={"engine": "0"}, value=12),
+        Vector(name="vllm:spec_decode_num_accepted_tokens_per_pos", labels={"engine": "0"}, values=[7, 4, 1]),
+        Gauge(name="vllm:num_requests_running", labels={"engine": "0"}, value=0),
+    ]
+    c = spec_decode_counters(metrics)
+    assert c == {"num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 12, "accepted_per_position": [7, 4, 1]}
+    rep = acceptance_report(c, 3)
+    assert rep["acceptance_length"] == pytest.approx(1 + 12 / 10)
+    assert rep["per_position_acceptance_rate"] == pytest.approx([0.7, 0.4, 0.1])
+    assert rep["draft_acceptance_rate"] == pytest.approx(0.4)
+
+
+def test_missing_counters_are_an_error():
+    with pytest.raises(RuntimeError, match="no spec_decode counters"):
+        spec_decode_counters([])
+    with pytest.raises(RuntimeError, match="no drafts"):
+        acceptance_report({"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_position": []}, 3)

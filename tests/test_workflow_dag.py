@@ -1,0 +1,68 @@
+"""DAG-level checks through the snakemake CLI (dry-runs only: seconds)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def snakemake(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=cwd, capture_output=True, text=True)
+
+
+def test_kimi_example_dry_runs_with_tp8_full_model_jobs(tmp_path):
+    # a stand-in for the 547 GB checkpoint: what the DAG needs (config, weights listing, template)
+    target = tmp_path / "Kimi-K2.5"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840}))
+    (target / "model-00001-of-00064.safetensors").write_bytes(b"")
+    (target / "chat_template.jinja").write_text("{{ messages }}")
+    over = tmp_path / "over.yaml"
+    over.write_text(yaml.safe_dump({"target": {"path": str(target), "trust_remote_code": True}}))
+    r = snakemake("-n", "--cores", "64", "--configfile", "config/examples/kimi-k2.5-8gpu.yaml", str(over), "-d", str(tmp_path / "wd"), "-s", str(ROOT / "Snakefile"))
+    assert r.returncode == 0, r.stderr + r.stdout
+    out = r.stdout
+    assert "prepare_target_model" not in out  # a user target is not materialized
+    for rule in ("prepare_prompts", "generate_traces", "build_vocab_mapping", "extract_hidden_states", "train_drafter", "evaluate_drafter"):
+        assert rule in out
+    blocks = out.split("\n\n")
+    gen = next(b for b in blocks if "rule generate_traces:" in b)
+    assert "gpu=8" in gen and "full_model=1" in gen
+
+
+def test_typo_in_config_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("vocab:\n  draft_vocab_sise: 100\n")
+    r = snakemake("-n", "--cores", "1", "--configfile", str(bad), "-d", str(tmp_path / "wd"), "-s", str(ROOT / "Snakefile"))
+    assert r.returncode != 0
+    assert "vocab: Additional properties are not allowed ('draft_vocab_sise' was unexpected)" in r.stdout + r.stderr
+
+
+def test_missing_target_dir_is_a_clear_error(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"target": {"path": str(tmp_path / "nope")}}))
+    r = snakemake("-n", "--cores", "1", "--configfile", str(cfg), "-d", str(tmp_path / "wd"), "-s", str(ROOT / "Snakefile"))
+    assert r.returncode != 0
+    assert f"target.path: target model directory {tmp_path / 'nope'} does not exist" in r.stdout + r.stderr
+
+
+def test_full_model_lock_survives_other_resources(tmp_path):
+    from snakemake.api import SnakemakeApi
+    from snakemake.settings.types import ConfigSettings, OutputSettings, ResourceSettings
+
+    with SnakemakeApi(OutputSettings()) as api:
+        wf = api.workflow(
+            resource_settings=ResourceSettings(cores=4, resources={"mem_gb": 64}),
+            config_settings=ConfigSettings(configfiles=[ROOT / "config" / "config.yaml"]),
+            snakefile=ROOT / "Snakefile",
+            workdir=tmp_path,
+        )
+        workflow = wf._workflow  # the parsed Snakefile (includes rules/common.smk)
+        assert workflow.global_resources["full_model"] == 1
+        assert workflow.global_resources["mem_gb"] == 64
+        for name in ("generate_traces", "extract_hidden_states", "evaluate_drafter"):
+            assert workflow.get_rule(name).resources["full_model"] == 1
