@@ -18,12 +18,25 @@ def test_kimi_example_dry_runs_with_tp8_full_model_jobs(tmp_path):
     # a stand-in for the 547 GB checkpoint: what the DAG needs (config, weights listing, template)
     target = tmp_path / "Kimi-K2.5"
     target.mkdir()
-    (target / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840}))
+    (target / "config.json").write_text(
+        json.dumps({"model_type": "deepseek_v3", "num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840})
+    )
     (target / "model-00001-of-00064.safetensors").write_bytes(b"")
     (target / "chat_template.jinja").write_text("{{ messages }}")
     over = tmp_path / "over.yaml"
     over.write_text(yaml.safe_dump({"target": {"path": str(target), "trust_remote_code": True}}))
-    r = snakemake("-n", "--cores", "64", "--configfile", "config/examples/kimi-k2.5-8gpu.yaml", str(over), "-d", str(tmp_path / "wd"), "-s", str(ROOT / "Snakefile"))
+    r = snakemake(
+        "-n",
+        "--cores",
+        "64",
+        "--configfile",
+        "config/examples/kimi-k2.5-8gpu.yaml",
+        str(over),
+        "-d",
+        str(tmp_path / "wd"),
+        "-s",
+        str(ROOT / "Snakefile"),
+    )
     assert r.returncode == 0, r.stderr + r.stdout
     out = r.stdout
     assert "prepare_target_model" not in out  # a user target is not materialized

