@@ -87,7 +87,8 @@ def coverage_report(counts: np.ndarray, t2d: np.ndarray, draft_vocab_size: int) 
     """The ``coverage.json`` contents.
 
     ``coverage`` is measured directly on the chosen mapping (``counts[t2d].sum() /
-    counts.sum()``); ``ladder`` gives coverage at other sizes from sorted counts.
+    counts.sum()``); ``ladder`` lists ``{"draft_vocab_size", "coverage"}`` at other sizes
+    (ascending), from sorted counts.
     """
     total = int(counts.sum())
     return {
@@ -96,5 +97,8 @@ def coverage_report(counts: np.ndarray, t2d: np.ndarray, draft_vocab_size: int) 
         "supervised_tokens": total,
         "distinct_supervised_tokens": int(np.count_nonzero(counts)),
         "coverage": float(counts[t2d].sum() / total) if total else 0.0,
-        "ladder": {str(k): v for k, v in coverage_ladder(counts, default_ladder(counts.shape[0], draft_vocab_size)).items()},
+        "ladder": [
+            {"draft_vocab_size": k, "coverage": v}
+            for k, v in coverage_ladder(counts, default_ladder(counts.shape[0], draft_vocab_size)).items()
+        ],
     }
