@@ -14,5 +14,7 @@ rule build_vocab_mapping:
     params:
         trust_remote_code=config["target"]["trust_remote_code"],
         draft_vocab_size=config["vocab"]["draft_vocab_size"],
+        init_from=config["training"]["init_from"],
+        init_identity=get_init_drafter_identity(),
     script:
         "../workflow_scripts/build_vocab_mapping.py"

@@ -10,6 +10,7 @@ from snakemake.exceptions import WorkflowError
 
 from eagle3_pipeline.config import ConfigError, validate_config
 from eagle3_pipeline.io import InputError
+from eagle3_pipeline.prompts import sources_digest
 from eagle3_pipeline.target_model import (
     BUILTIN_TARGET,
     check_target_dir,
@@ -58,10 +59,39 @@ def get_target_dir(wildcards=None):
 
 
 def get_target_identity():
-    """Cheap identity of the target for params (path + config/tokenizer hashes + weight sizes)."""
+    """Content identity of the target for params (re-runs every stage that reads it)."""
     if is_builtin_target():
         return BUILTIN_TARGET
     return quick_identity(get_target_dir())
+
+
+def get_prompt_sources_digest():
+    """Content digest of the prompt and evaluation sources (re-runs prepare_prompts on edits)."""
+    try:
+        return sources_digest(
+            config["prompts"]["sources"] + [config["evaluation"]["prompts"]]
+        )
+    except InputError as e:
+        raise WorkflowError(f"prompts.sources: {e}")
+
+
+def get_eval_sources_digest():
+    try:
+        return sources_digest([config["evaluation"]["prompts"]])
+    except InputError as e:
+        raise WorkflowError(f"evaluation.prompts: {e}")
+
+
+def get_init_drafter_identity():
+    """Content identity of the warm-start drafter (training.init_from), or None."""
+    path = config["training"]["init_from"]
+    if path is None:
+        return None
+    if not Path(path, "config.json").is_file():
+        raise WorkflowError(
+            f"training.init_from: {path} is not a drafter directory (no config.json)"
+        )
+    return quick_identity(path)
 
 
 def get_prompt_shard(wildcards):

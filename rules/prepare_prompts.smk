@@ -9,6 +9,7 @@ rule prepare_prompts:
         "../envs/cpu.yaml"
     params:
         prompts=config["prompts"],
+        sources_digest=get_prompt_sources_digest(),
         eval_prompts=config["evaluation"]["prompts"],
     script:
         "../workflow_scripts/prepare_prompts.py"
@@ -23,6 +24,7 @@ rule prepare_eval_prompts:
         "../envs/cpu.yaml"
     params:
         source=config["evaluation"]["prompts"],
+        source_digest=get_eval_sources_digest(),
         max_prompts=config["evaluation"]["max_prompts"],
     script:
         "../workflow_scripts/prepare_eval_prompts.py"

