@@ -8,13 +8,15 @@ sys.path.insert(0, str(Path(workflow.basedir) / "workflow_scripts"))
 
 from snakemake.exceptions import WorkflowError
 
-from eagle3_pipeline.config import ConfigError, validate_config
+from eagle3_pipeline.config import ConfigError, check_against_target, validate_config
 from eagle3_pipeline.io import InputError
 from eagle3_pipeline.prompts import sources_digest
 from eagle3_pipeline.target_model import (
+    BUILTIN_SHAPE,
     BUILTIN_TARGET,
     check_target_dir,
     quick_identity,
+    target_shape,
 )
 
 try:
@@ -56,6 +58,18 @@ def get_target_dir(wildcards=None):
         return str(check_target_dir(config["target"]["path"]))
     except InputError as e:
         raise WorkflowError(f"target.path: {e}")
+
+
+def check_config_against_target():
+    """Settings that depend on the target's shape, checked before any job runs."""
+    if is_builtin_target():
+        shape = BUILTIN_SHAPE
+    else:
+        shape = target_shape(get_target_dir())
+    try:
+        check_against_target(config, *shape)
+    except ConfigError as e:
+        raise WorkflowError(str(e))
 
 
 def get_target_identity():
@@ -119,6 +133,9 @@ def get_hidden_state_shards(wildcards):
 def get_num_speculative_tokens():
     k = config["evaluation"]["num_speculative_tokens"]
     return k if k is not None else config["training"]["ttt_steps"]
+
+
+check_config_against_target()
 
 
 def get_final_outputs():

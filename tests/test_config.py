@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3_pipeline.config import ConfigError, validate_config
+from eagle3_pipeline.config import ConfigError, check_against_target, validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,3 +42,13 @@ def test_file_source_needs_a_path():
 )
 def test_shipped_configs_validate(path):
     validate_config(yaml.safe_load((ROOT / path).read_text()))
+
+
+def test_target_dependent_settings_are_checked_before_any_job():
+    cfg = validate_config({"vocab": {"draft_vocab_size": 60000}, "extraction": {"aux_layer_ids": [2, 40]}})
+    with pytest.raises(ConfigError) as e:
+        check_against_target(cfg, 30, 49152)
+    msg = str(e.value)
+    assert "vocab.draft_vocab_size: 60000 is larger than the target vocabulary (49152 tokens)" in msg
+    assert "extraction.aux_layer_ids: aux layer ids [40] out of range" in msg
+    check_against_target(validate_config({}), 30, 49152)  # the default fits the embedded target

@@ -366,9 +366,23 @@ def test_long_prompts_are_rejected_with_counts_before_generation(tokenizer):
 
     gen = validate_config({})["generation"]
     recs = [{"id": "long", "source": "x", "messages": [{"role": "user", "content": "word " * 400}]}]
-    res = generate_shard(_NoEngine(), tokenizer, recs, gen, max_seq_len=256, seed=0, engine={}, model={})
-    assert res.traces == [] and [(r.source, r.reason) for r in res.rejects] == [("long", "prompt_too_long")]
+    ok = {"id": "ok", "source": "y", "messages": [{"role": "user", "content": "hi"}]}
+
+    class OneEngine:  # answers the one prompt that fits
+        def generate(self, prompts, params, use_tqdm=False):
+            from types import SimpleNamespace
+
+            assert len(prompts) == 1 and params[0].max_tokens == min(gen["max_tokens"], 256 - len(prompts[0]["prompt_token_ids"]))
+            comp = SimpleNamespace(token_ids=[28, 2], text="A", finish_reason="stop")
+            return [SimpleNamespace(prompt_token_ids=prompts[0]["prompt_token_ids"], outputs=[comp])]
+
+    res = generate_shard(OneEngine(), tokenizer, recs + [ok], gen, max_seq_len=256, seed=0, engine={}, model={})
+    assert [t["id"] for t in res.traces] == ["ok"]
+    assert [(r.id, r.source, r.reason) for r in res.rejects] == [("long", "x", "prompt_too_long")]
     assert res.summary()["rejects_by_reason"] == {"prompt_too_long": 1}
+    # a shard with nothing usable is an error, not an empty success
+    with pytest.raises(InputError, match=r"no usable traces: all 1 prompts of this shard were rejected \{'prompt_too_long': 1\}"):
+        generate_shard(_NoEngine(), tokenizer, recs, gen, max_seq_len=256, seed=0, engine={}, model={})
 
 
 def test_extraction_refuses_samples_longer_than_max_seq_len():

@@ -62,3 +62,19 @@ def test_missing_counters_are_an_error():
         spec_decode_counters([])
     with pytest.raises(RuntimeError, match="no drafts"):
         acceptance_report({"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_position": []}, 3)
+
+
+def test_null_chat_template_is_no_chat_template(tmp_path, target_dir):
+    import json
+    import shutil
+
+    from eagle3_pipeline.io import InputError
+    from eagle3_pipeline.target_model import check_target_dir
+
+    d = tmp_path / "t"
+    shutil.copytree(target_dir, d)
+    (d / "chat_template.jinja").unlink()
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**tc, "chat_template": None}))
+    with pytest.raises(InputError, match="has no chat template"):
+        check_target_dir(d)

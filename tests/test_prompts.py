@@ -68,7 +68,43 @@ def test_prompt_id_is_stable_content_hash():
 def test_truncated_json_array_recovers_complete_records(tmp_path):
     p = tmp_path / "t.json"
     p.write_text('[\n {"id": 1, "x": [1,2]},\n {"id": 2},\n {"id": 3, "x": "unterminated')
-    assert [o["id"] for _, o in iter_json_array(p)] == [1, 2]
+    got = list(iter_json_array(p))
+    assert [o["id"] for _, o in got[:2]] == [1, 2]
+    assert len(got) == 3 and "truncated at the end of the file" in str(got[2][1])  # the tail is reported
+
+
+def test_bad_element_in_the_middle_of_an_array_loses_only_that_element(tmp_path):
+    p = tmp_path / "a.json"
+    p.write_text(
+        '[\n {"messages": [{"role": "user", "content": "one"}]},\n {"messages": [oops]},\n'
+        ' {"messages": [{"role": "user", "content": "three"}]},\n {"messages": [{"role": "user", "content": "fo'
+    )
+    ps = build_prompt_set([{"type": "file", "path": str(p)}])
+    assert sorted(r["messages"][0]["content"] for r in ps.records) == ["one", "three"]
+    assert [(r.source, r.reason) for r in ps.rejects] == [(f"{p}[1]", "bad_json"), (f"{p}[3]", "bad_json")]
+    assert "line 3" in ps.rejects[0].detail and "truncated at the end" in ps.rejects[1].detail
+
+
+def test_invalid_utf8_line_is_one_counted_reject(tmp_path):
+    p = tmp_path / "u.jsonl"
+    p.write_bytes(b'{"messages":[{"role":"user","content":"caf\xe9"}]}\n{"messages":[{"role":"user","content":"ok"}]}\n')
+    ps = build_prompt_set([{"type": "file", "path": str(p)}])
+    assert [r["messages"][0]["content"] for r in ps.records] == ["ok"]
+    assert [(r.source, r.reason) for r in ps.rejects] == [(f"{p}:1", "bad_encoding")]
+
+
+def test_invalid_utf8_json_array_names_the_line(tmp_path):
+    p = tmp_path / "u.json"
+    p.write_bytes(b'[\n{"messages": [{"role": "user", "content": "caf\xe9"}]}]')
+    with pytest.raises(InputError, match=f"{p}:2: invalid UTF-8 at byte"):
+        build_prompt_set([{"type": "file", "path": str(p)}])
+
+
+def test_bom_and_crlf_are_accepted(tmp_path):
+    p = tmp_path / "b.jsonl"
+    p.write_bytes(b'\xef\xbb\xbf{"messages":[{"role":"user","content":"hi"}]}\r\n{"messages":[{"role":"user","content":"yo"}]}\r\n')
+    ps = build_prompt_set([{"type": "file", "path": str(p)}])
+    assert sorted(r["messages"][0]["content"] for r in ps.records) == ["hi", "yo"] and not ps.rejects
 
 
 def test_build_prompt_set_dedups_rejects_and_decontaminates(tmp_path):
@@ -110,7 +146,7 @@ def test_build_prompt_set_dedups_rejects_and_decontaminates(tmp_path):
 def test_zero_usable_prompts_is_a_clear_error(tmp_path):
     p = tmp_path / "p.jsonl"
     p.write_text(json.dumps({"messages": [{"role": "user", "content": " "}]}) + "\n")
-    with pytest.raises(InputError, match="no usable prompts.*empty_content"):
+    with pytest.raises(InputError, match="no usable prompts.*empty_content.*listed in this job's log"):
         build_prompt_set([{"type": "file", "path": str(p)}])
 
 

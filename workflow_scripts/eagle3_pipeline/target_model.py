@@ -94,7 +94,7 @@ def check_target_dir(path: str | os.PathLike) -> Path:
         raise InputError(f"{p} has no weights (*.safetensors or *.bin)")
     has_template = (p / "chat_template.jinja").is_file() or (p / "chat_template.json").is_file()
     if not has_template and (p / "tokenizer_config.json").is_file():
-        has_template = "chat_template" in json.loads((p / "tokenizer_config.json").read_text(encoding="utf-8"))
+        has_template = bool(json.loads((p / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template"))
     if not has_template:
         raise InputError(
             f"{p} has no chat template (chat_template.jinja or tokenizer_config.json:chat_template); "
@@ -152,6 +152,26 @@ def num_hidden_layers(path: str | os.PathLike, trust_remote_code: bool = False) 
 def target_vocab_size(path: str | os.PathLike, trust_remote_code: bool = False) -> int:
     """``vocab_size`` ``V`` of the target: the length of ``t2d``."""
     return int(text_config(path, trust_remote_code).vocab_size)
+
+
+#: (num_hidden_layers, vocab_size) of the embedded target, for checks before it is materialized.
+BUILTIN_SHAPE = (30, 49152)
+
+
+def target_shape(path: str | os.PathLike) -> tuple[int, int]:
+    """``(num_hidden_layers, vocab_size)`` read from ``config.json`` (``text_config`` if nested).
+
+    Plain JSON, no transformers import: cheap enough for DAG-time config checks.
+
+    Raises:
+        InputError: the keys are missing.
+    """
+    cfg = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    cfg = cfg.get("text_config", cfg)
+    try:
+        return int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
+    except KeyError as e:
+        raise InputError(f"{path}/config.json has no {e.args[0]}") from e
 
 
 def quick_identity(path: str | os.PathLike) -> str:

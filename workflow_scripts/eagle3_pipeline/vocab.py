@@ -45,11 +45,14 @@ def build_mapping(counts: np.ndarray, draft_vocab_size: int) -> tuple[np.ndarray
     """``(d2t int64 [N], t2d bool [V])`` from token counts, by speculators' builder.
 
     Raises:
-        InputError: ``draft_vocab_size`` is not in ``[1, V]``.
+        InputError: ``draft_vocab_size`` is not in ``[1, V]``, or there are no
+            supervised tokens at all.
     """
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
     v = int(counts.shape[0])
+    if not counts.any():
+        raise InputError("no supervised tokens in the traces: every completion is empty; check the generate_traces logs and rejects")
     if not 1 <= draft_vocab_size <= v:
         raise InputError(f"vocab.draft_vocab_size={draft_vocab_size} must be between 1 and the target vocabulary size {v}")
     nz = np.flatnonzero(counts)
