@@ -14,7 +14,7 @@ setup:
 
 run: setup
 	$(SNAKE) --cores $(CORES)
-	@$(PY) -c 'import json,yaml; r=yaml.safe_load(open("config/config.yaml"))["run"]; a=json.load(open(f"results/{r}/eval/acceptance.json")); print(f"drafter: results/{r}/drafter\nacceptance: results/{r}/eval/acceptance.json (tau = {a[\"acceptance_length\"]:.3f})")'
+	@$(PY) -c 'import json, yaml; r = yaml.safe_load(open("config/config.yaml"))["run"]; a = json.load(open("results/%s/eval/acceptance.json" % r)); print("drafter: results/%s/drafter\nacceptance: results/%s/eval/acceptance.json (tau = %.3f)" % (r, r, a["acceptance_length"]))'
 
 dry-run: setup
 	$(SNAKE) -n --cores $(CORES)
@@ -28,8 +28,8 @@ test-fast: setup
 lint: setup
 	$(SNAKE) --lint --cores 1
 	$(VENV)/bin/snakefmt --check Snakefile rules
-	$(VENV)/bin/ruff check workflow_scripts tests
-	$(VENV)/bin/ruff format --check workflow_scripts tests
+	$(VENV)/bin/ruff check workflow_scripts tests benchmarks
+	$(VENV)/bin/ruff format --check workflow_scripts tests benchmarks
 
 format: setup
 	$(VENV)/bin/snakefmt Snakefile rules

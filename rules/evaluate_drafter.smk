@@ -18,6 +18,7 @@ rule evaluate_drafter:
         gpu=FULL_MODEL_GPUS,
         full_model=1,
     params:
+        host_lock=config["resources"]["host_lock"],
         trust_remote_code=config["target"]["trust_remote_code"],
         evaluation=config["evaluation"],
         num_speculative_tokens=get_num_speculative_tokens(),

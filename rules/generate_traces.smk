@@ -17,6 +17,7 @@ rule generate_traces:
         gpu=FULL_MODEL_GPUS,
         full_model=1,
     params:
+        host_lock=config["resources"]["host_lock"],
         trust_remote_code=config["target"]["trust_remote_code"],
         target_identity=get_target_identity(),
         generation=config["generation"],

@@ -178,8 +178,9 @@ def test_thinking_disabled_by_template_kwarg_stays_in_the_prompt(think_tokenizer
 def test_reasoning_capture_rate_is_reported():
     from eagle3_pipeline.generation import ShardResult
 
-    r = ShardResult(counts=Counter(ok=4, reasoning=3))
-    assert r.summary()["reasoning_capture_rate"] == pytest.approx(0.75)
+    base = {"prompt_token_ids": [1], "completion_token_ids": [2], "finish_reason": "stop"}
+    r = ShardResult(traces=[{**base, "reasoning": x} for x in ("a", "b", None, "c")])
+    assert r.summary()["reasoning_capture_rate"] == pytest.approx(0.75) and r.summary()["reasoning_captured"] == 3
 
 
 # ---------------------------------------------------------------- 5. vocab mapping at scale

@@ -3,8 +3,9 @@
 import logging
 from pathlib import Path
 
-from eagle3_pipeline.engine import build_llm, engine_identity
+from eagle3_pipeline.engine import build_llm, engine_identity, shutdown_llm
 from eagle3_pipeline.evaluation import run_eval
+from eagle3_pipeline.hygiene import ProcessRecord, cleanup_stale_processes, host_lock
 from eagle3_pipeline.io import read_json, read_jsonl, write_json_atomic, write_jsonl_atomic
 from eagle3_pipeline.runtime import Timer, start_log
 from eagle3_pipeline.target_model import load_tokenizer
@@ -15,31 +16,38 @@ if __name__ == "__main__":
     k = sm.params.num_speculative_tokens
     drafter = str(Path(sm.input.drafter).resolve())
     spec = {"method": "eagle3", "model": drafter, "num_speculative_tokens": k}
-    load = Timer()
-    llm = build_llm(
-        sm.input.target,
-        sm.params.vllm,
-        seed=sm.params.seed,
-        max_model_len=sm.params.max_seq_len,
-        speculative_config=spec,
-        trust_remote_code=sm.params.trust_remote_code,
-    )
-    load_s = load.seconds
-    questions = list(read_jsonl(sm.input.prompts))
-    run = Timer()
-    report, rows = run_eval(
-        llm,
-        load_tokenizer(sm.input.target, sm.params.trust_remote_code),
-        questions,
-        sm.params.evaluation | {"num_speculative_tokens": k},
-        sm.params.generation["chat_template_kwargs"],
-    )
+    pids = ProcessRecord(Path(sm.output.acceptance).parents[1] / ".pids", "evaluate_drafter")
+    with host_lock(enabled=sm.params.host_lock):
+        cleanup_stale_processes(pids.path.parent)
+        load = Timer()
+        llm = build_llm(
+            sm.input.target,
+            sm.params.vllm,
+            seed=sm.params.seed,
+            max_model_len=sm.params.max_seq_len,
+            speculative_config=spec,
+            trust_remote_code=sm.params.trust_remote_code,
+        )
+        load_s = load.seconds
+        pids.record()
+        questions = list(read_jsonl(sm.input.prompts))
+        run = Timer()
+        report, rows = run_eval(
+            llm,
+            load_tokenizer(sm.input.target, sm.params.trust_remote_code),
+            questions,
+            sm.params.evaluation | {"num_speculative_tokens": k},
+            sm.params.generation["chat_template_kwargs"],
+        )
+        eval_s = run.seconds
+        shutdown_llm(llm)
+        pids.clear()
     train_summary = read_json(sm.input.train_summary)
     report |= {
         "drafter": drafter,
         "engine": engine_identity(),
         "model_load_seconds": round(load_s, 3),
-        "seconds": round(run.seconds, 3),
+        "seconds": round(eval_s, 3),
         "offline_validation": train_summary.get("final_val", {}),
     }
     write_jsonl_atomic(sm.output.outputs, rows)

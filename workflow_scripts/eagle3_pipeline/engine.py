@@ -101,3 +101,14 @@ def build_llm(
     kwargs.update(overrides)
     logger.info("starting vLLM engine: %s", {k: v for k, v in kwargs.items() if k != "model"} | {"model": model})
     return LLM(**kwargs)
+
+
+def shutdown_llm(llm) -> None:
+    """Stop a ``vllm.LLM``'s engine processes now (not at interpreter exit).
+
+    Full-model stages call it before releasing the host-wide lock, so the next model
+    load never overlaps the previous engine's teardown.
+    """
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()

@@ -12,6 +12,7 @@ import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .io import InputError
 from .prompts import Reject
@@ -101,26 +102,42 @@ def make_reasoning_splitter(gen_cfg: dict, tokenizer):
 
 @dataclass
 class ShardResult:
-    """Traces, rejects and counts of one generated shard."""
+    """Traces and rejects of generated prompts; every count derives from them."""
 
     traces: list[dict] = field(default_factory=list)
     rejects: list[Reject] = field(default_factory=list)
-    counts: Counter = field(default_factory=Counter)
 
     def summary(self) -> dict:
-        c = self.counts
+        """Counts: prompts, ok, errored, truncated, rejects by reason, reasoning capture, tokens."""
+        ok = len(self.traces)
+        reasoning = sum(t["reasoning"] is not None for t in self.traces)
+        by_reason = Counter(r.reason for r in self.rejects)
         return {
-            "prompts": c["prompts"],
-            "ok": c["ok"],
-            "errored": c["errored"],
-            "truncated": c["truncated"],
+            "prompts": ok + len(self.rejects),
+            "ok": ok,
+            "errored": by_reason["generation_error"],
+            "truncated": sum(t["finish_reason"] == "length" for t in self.traces),
             "rejected": len(self.rejects),
-            "rejects_by_reason": dict(sorted(Counter(r.reason for r in self.rejects).items())),
-            "reasoning_captured": c["reasoning"],
-            "reasoning_capture_rate": (c["reasoning"] / c["ok"]) if c["ok"] else 0.0,
-            "prompt_tokens": c["prompt_tokens"],
-            "completion_tokens": c["completion_tokens"],
+            "rejects_by_reason": dict(sorted(by_reason.items())),
+            "reasoning_captured": reasoning,
+            "reasoning_capture_rate": reasoning / ok if ok else 0.0,
+            "prompt_tokens": sum(len(t["prompt_token_ids"]) for t in self.traces),
+            "completion_tokens": sum(len(t["completion_token_ids"]) for t in self.traces),
         }
+
+    def check_usable(self) -> None:
+        """Raise when prompts were given but none produced a trace (nothing to train on).
+
+        Raises:
+            InputError: naming the reject counts; the first rejects go to the log.
+        """
+        if self.rejects and not self.traces:
+            for r in self.rejects[:20]:
+                logger.error("rejected %s (%s): %s %s", r.id, r.source, r.reason, r.detail)
+            raise InputError(
+                f"no usable traces: all {len(self.rejects)} prompts of this shard were rejected "
+                f"{self.summary()['rejects_by_reason']}; the first rejects are listed above in this log"
+            )
 
 
 def generate_shard(
@@ -134,6 +151,7 @@ def generate_shard(
     engine: dict,
     model: dict,
     chunk_size: int = 1024,
+    require_traces: bool = True,
 ) -> ShardResult:
     """Generate one completion per prompt record with ``llm`` (a ``vllm.LLM``).
 
@@ -153,6 +171,7 @@ def generate_shard(
         engine: :func:`eagle3_pipeline.engine.engine_identity` output.
         model: ``{"path", "fingerprint"}`` of the target.
         chunk_size: prompts per ``llm.generate`` call (progress granularity).
+        require_traces: raise when every prompt was rejected (see ``ShardResult.check_usable``).
 
     Raises:
         InputError: every prompt of the shard was rejected (nothing to train on).
@@ -166,7 +185,6 @@ def generate_shard(
     min_completion = gen_cfg["min_completion_tokens"]
     todo = []
     for rec in records:
-        res.counts["prompts"] += 1
         try:
             ids = render_prompt_ids(tokenizer, rec["messages"], gen_cfg.get("chat_template_kwargs"))
         except Exception as e:  # a template that raises on this conversation
@@ -203,7 +221,6 @@ def generate_shard(
         for (rec, ids, mt), out in zip(chunk, outputs, strict=True):
             comp = out.outputs[0] if out.outputs else None
             if comp is None or comp.finish_reason not in ("stop", "length"):
-                res.counts["errored"] += 1
                 reason = comp.finish_reason if comp is not None else "no_output"
                 res.rejects.append(Reject(rec["source"], "generation_error", f"finish_reason={reason}", id=rec["id"]))
                 continue
@@ -214,11 +231,6 @@ def generate_shard(
             if list(out.prompt_token_ids) != ids:
                 raise RuntimeError(f"vLLM changed the prompt ids of {rec['id']}: tokenization drift")
             reasoning, answer = split(comp.text)
-            res.counts["ok"] += 1
-            res.counts["truncated"] += comp.finish_reason == "length"
-            res.counts["reasoning"] += reasoning is not None
-            res.counts["prompt_tokens"] += len(ids)
-            res.counts["completion_tokens"] += len(comp_ids)
             res.traces.append(
                 {
                     "id": rec["id"],
@@ -237,11 +249,117 @@ def generate_shard(
             )
         bar.update(len(chunk))
     bar.close()
-    if records and not res.traces:
-        for r in res.rejects[:20]:
-            logger.error("rejected %s (%s): %s %s", r.id, r.source, r.reason, r.detail)
-        raise InputError(
-            f"no usable traces: all {len(records)} prompts of this shard were rejected {res.summary()['rejects_by_reason']}; "
-            "the first rejects are listed above in this log"
-        )
+    if require_traces:
+        res.check_usable()
     return res
+
+
+def run_generation_shard(
+    prompts_path: str,
+    out: dict,
+    target: str,
+    params: dict,
+    *,
+    chunk_prompts: int,
+    host_lock_enabled: bool = True,
+) -> dict:
+    """The generate_traces job: resumable generation of one prompt shard.
+
+    Prompts (in id order) are generated in chunks of ``chunk_prompts``; each finished
+    chunk is kept (:mod:`eagle3_pipeline.resume`), so a killed job's rerun generates
+    only the unfinished chunks and the final traces are identical to an uninterrupted
+    run's (same order; greedy decoding or an engine seed). The engine is started only
+    when chunks remain, under the host-wide full-model lock.
+
+    Args:
+        prompts_path: ``prompts/shard-NNNNN.jsonl``.
+        out: output paths ``{"traces", "rejects", "summary"}``.
+        target: target model directory.
+        params: ``{"generation", "vllm", "seed", "max_seq_len", "trust_remote_code"}``.
+        chunk_prompts: prompts per resumable chunk.
+        host_lock_enabled: hold the host-wide full-model lock while the engine runs.
+
+    Returns:
+        the summary written to ``out["summary"]``.
+
+    Raises:
+        InputError: every prompt of the shard was rejected.
+    """
+    import json
+
+    from .engine import build_llm, engine_identity, shutdown_llm
+    from .hygiene import ProcessRecord, cleanup_stale_processes, host_lock
+    from .io import read_jsonl, sha256_file, sha256_json, write_json_atomic, write_jsonl_atomic
+    from .resume import ChunkStore, chunk_ranges, todo_chunks
+    from .runtime import Timer
+    from .target_model import load_tokenizer, model_fingerprint
+
+    records = sorted(read_jsonl(prompts_path), key=lambda r: r["id"])
+    model = {"path": target, "fingerprint": model_fingerprint(target)}
+    fingerprint = sha256_json({"prompts": sha256_file(prompts_path), "model": model, "params": params, "chunk": chunk_prompts})
+    store = ChunkStore(out["traces"], fingerprint, ".jsonl")
+    ranges = chunk_ranges(len(records), chunk_prompts)
+    todo = todo_chunks(store, ranges)
+    load_s = gen_s = 0.0
+    new_tokens = 0
+    if todo:
+        pids = ProcessRecord(Path(out["traces"]).parents[1] / ".pids", Path(out["traces"]).stem)
+        with host_lock(enabled=host_lock_enabled):
+            cleanup_stale_processes(pids.path.parent)
+            load = Timer()
+            llm = build_llm(
+                target,
+                params["vllm"],
+                seed=params["seed"],
+                max_model_len=params["max_seq_len"],
+                trust_remote_code=params["trust_remote_code"],
+            )
+            load_s = load.seconds
+            pids.record()
+            tokenizer = load_tokenizer(target, params["trust_remote_code"])
+            engine = engine_identity()
+            gen = Timer()
+            for i in todo:
+                a, b = ranges[i]
+                res = generate_shard(
+                    llm,
+                    tokenizer,
+                    records[a:b],
+                    params["generation"],
+                    max_seq_len=params["max_seq_len"],
+                    seed=params["seed"],
+                    engine=engine,
+                    model=model,
+                    require_traces=False,
+                )
+                new_tokens += res.summary()["completion_tokens"]
+                lines = [{"trace": t} for t in res.traces] + [{"reject": r.as_dict()} for r in res.rejects]
+                with store.writing(i) as tmp, open(tmp, "w", encoding="utf-8") as f:
+                    f.writelines(json.dumps(x, ensure_ascii=False, sort_keys=True) + "\n" for x in lines)
+                logger.info("chunk %d/%d done (prompts %d-%d)", i + 1, len(ranges), a, b - 1)
+            gen_s = gen.seconds
+            shutdown_llm(llm)
+            pids.clear()
+    result = ShardResult()
+    for i in range(len(ranges)):
+        for x in read_jsonl(store.path(i)):
+            if "trace" in x:
+                result.traces.append(x["trace"])
+            else:
+                result.rejects.append(Reject(**x["reject"]))
+    result.traces.sort(key=lambda t: t["id"])
+    result.check_usable()
+    write_jsonl_atomic(out["rejects"], (r.as_dict() for r in result.rejects))
+    write_jsonl_atomic(out["traces"], result.traces)
+    summary = result.summary() | {
+        "chunks": len(ranges),
+        "chunks_resumed": len(ranges) - len(todo),
+        "model_load_seconds": round(load_s, 3),
+        "generate_seconds": round(gen_s, 3),
+        "completion_tokens_per_second": new_tokens / gen_s if gen_s else 0.0,
+        "traces_sha256": sha256_file(out["traces"]),
+    }
+    write_json_atomic(out["summary"], summary)
+    store.remove()
+    logger.info("generation: %s", summary)
+    return summary

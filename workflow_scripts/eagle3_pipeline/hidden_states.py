@@ -194,12 +194,12 @@ def write_shard(
     *,
     layer_ids: Sequence[int],
     aux_layer_ids: Sequence[int],
-    index_path: str | os.PathLike,
+    index_path: str | os.PathLike | None,
 ) -> dict:
     """Write one hidden-state shard (format in the module docstring) and its index, atomically.
 
     Returns:
-        the index dict (also written to ``index_path``).
+        the index dict (also written to ``index_path`` unless it is None).
     """
     from safetensors.torch import save_file
 
@@ -234,7 +234,8 @@ def write_shard(
         "sha256": sha256_file(path),
         "samples": [{"id": s.id, "offset": int(o), "length": int(n)} for s, o, n in zip(samples, offsets[:-1], lengths, strict=True)],
     }
-    write_json_atomic(index_path, index)
+    if index_path is not None:
+        write_json_atomic(index_path, index)
     return index
 
 
@@ -271,3 +272,97 @@ class ShardReader:
             "loss_mask": self.loss_mask[a:b],
             "hidden_states": self._f.get_slice("hidden_states")[a:b],
         }
+
+
+def read_shard(path: str | os.PathLike) -> tuple[list[Sample], list[torch.Tensor], list[int], list[int]]:
+    """``(samples, per-sample states [T_i, L, H], layer_ids, aux_layer_ids)`` of a whole shard."""
+    r = ShardReader(path)
+    hs = r._f.get_tensor("hidden_states")
+    samples, states = [], []
+    for i, sid in enumerate(r.sample_ids):
+        a, b = int(r.offsets[i]), int(r.offsets[i + 1])
+        samples.append(Sample(sid, r.input_ids[a:b].numpy(), r.loss_mask[a:b].numpy()))
+        states.append(hs[a:b])
+    return samples, states, r.layer_ids, r.aux_layer_ids
+
+
+def run_extraction_shard(
+    traces_path: str,
+    out_shard: str,
+    out_index: str,
+    target: str,
+    cfg: dict,
+    *,
+    max_seq_len: int,
+    trust_remote_code: bool,
+    host_lock_enabled: bool = True,
+) -> dict:
+    """The extract_hidden_states job (``hf`` backend): resumable extraction of one trace shard.
+
+    Samples (prompt + completion ids of each trace, in trace order) are extracted in
+    chunks of ``cfg["chunk_samples"]``; each finished chunk is kept as its own shard file
+    (:mod:`eagle3_pipeline.resume`), so a killed job's rerun extracts only the rest; the
+    final shard concatenates the chunks in order and equals an uninterrupted run's. Before
+    loading the model, a disk preflight compares the estimated bytes (tokens × layers ×
+    hidden × dtype bytes) with the free space (``cfg["disk_preflight"]``).
+
+    Returns:
+        the shard index (also written to ``out_index``), plus timing fields.
+
+    Raises:
+        InputError: not enough disk space; ValueError: a trace exceeds ``max_seq_len``
+            or has an empty completion; FloatingPointError: NaN/Inf states.
+    """
+    from .conventions import resolve_layer_ids
+    from .hygiene import check_disk, hidden_state_bytes, host_lock
+    from .io import read_jsonl, sha256_file, sha256_json
+    from .resume import ChunkStore, chunk_ranges, todo_chunks
+    from .runtime import Timer
+    from .target_model import model_fingerprint, text_config
+
+    tcfg = text_config(target, trust_remote_code)
+    aux, layer_ids = resolve_layer_ids(cfg["aux_layer_ids"], tcfg.num_hidden_layers)
+    samples = [sample_from_trace(t, max_seq_len) for t in read_jsonl(traces_path)]
+    dtype = STORAGE_DTYPES[cfg["storage_dtype"]]
+    if cfg["disk_preflight"]:
+        need = hidden_state_bytes(sum(len(s.input_ids) for s in samples), len(layer_ids), tcfg.hidden_size, dtype.itemsize)
+        check_disk(
+            out_shard, 2 * need, what=f"extraction of {traces_path} (chunks + final shard)", override_key="extraction.disk_preflight"
+        )
+    params = {k: cfg[k] for k in ("aux_layer_ids", "storage_dtype", "chunk_samples")} | {"max_seq_len": max_seq_len}
+    fingerprint = sha256_json({"traces": sha256_file(traces_path), "model": model_fingerprint(target), "params": params})
+    store = ChunkStore(out_shard, fingerprint, ".safetensors")
+    ranges = chunk_ranges(len(samples), cfg["chunk_samples"])
+    todo = todo_chunks(store, ranges)
+    load_s = run_s = 0.0
+    new_tokens = 0
+    if todo:
+        with host_lock(enabled=host_lock_enabled):
+            load = Timer()
+            model = load_hf_target(target, cfg["device"], trust_remote_code)
+            load_s = load.seconds
+            run = Timer()
+            for i in todo:
+                a, b = ranges[i]
+                states = extract_hf(model, samples[a:b], layer_ids, batch_tokens=cfg["batch_tokens"], storage_dtype=dtype)
+                with store.writing(i) as tmp:
+                    write_shard(tmp, samples[a:b], states, layer_ids=layer_ids, aux_layer_ids=aux, index_path=None)
+                new_tokens += sum(len(s.input_ids) for s in samples[a:b])
+                logger.info("chunk %d/%d done (samples %d-%d)", i + 1, len(ranges), a, b - 1)
+            run_s = run.seconds
+    all_samples, all_states = [], []
+    for i in range(len(ranges)):
+        smp, st, _, _ = read_shard(store.path(i))
+        all_samples += smp
+        all_states += st
+    index = write_shard(out_shard, all_samples, all_states, layer_ids=layer_ids, aux_layer_ids=aux, index_path=None)
+    index |= {
+        "chunks": len(ranges),
+        "chunks_resumed": len(ranges) - len(todo),
+        "model_load_seconds": round(load_s, 3),
+        "extract_seconds": round(run_s, 3),
+        "tokens_per_second": new_tokens / run_s if run_s else 0.0,
+    }
+    write_json_atomic(out_index, index)
+    store.remove()
+    return index

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .hidden_states import ShardReader
-from .io import InputError, atomic_dir
+from .io import InputError, atomic_dir, sha256_file, sha256_json, write_text_atomic
 from .runtime import Timer, progress
 
 logger = logging.getLogger(__name__)
@@ -212,6 +212,60 @@ def evaluate_offline(model, loader, call_kwargs: dict, device: str, autocast_dty
     return _step_metrics(dict(sums)) if sums else {}
 
 
+class TrainCheckpoint:
+    """The training state of an unfinished run, saved atomically to resume after a kill.
+
+    Holds model, optimizer and scheduler states, step, position in the epoch, RNG state
+    and the metrics so far (``torch.save`` of a dict), under a fingerprint of the run's
+    inputs and settings; a checkpoint with another fingerprint is ignored and replaced.
+    """
+
+    def __init__(self, directory: Path, fingerprint: str):
+        self.dir = directory
+        self.fingerprint = fingerprint
+
+    def load(self) -> dict | None:
+        path = self.dir / "state.pt"
+        if not path.is_file():
+            return None
+        state = torch.load(path, weights_only=False)
+        if state.get("fingerprint") != self.fingerprint:
+            logger.warning("ignoring the training checkpoint in %s: inputs or settings changed", self.dir)
+            return None
+        return state
+
+    def save(self, state: dict) -> None:
+        with atomic_dir(self.dir) as tmp:
+            torch.save({**state, "fingerprint": self.fingerprint}, tmp / "state.pt")
+
+    def remove(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _train_fingerprint(shards: list[str], vocab_dir: str, target_path: str, cfg: dict, seed: int, max_seq_len: int) -> str:
+    """Identity of a training run: shard checksums (from their manifests), vocab, target, settings."""
+    from .target_model import quick_identity
+
+    shard_ids = []
+    for p in shards:
+        index = Path(p).with_name(Path(p).name.replace(".safetensors", ".index.json"))
+        shard_ids.append(json.loads(index.read_text())["sha256"] if index.is_file() else sha256_file(p))
+    vocab = [sha256_file(Path(vocab_dir) / f) for f in ("d2t.npy", "t2d.npy")]
+    return sha256_json(
+        {"shards": shard_ids, "vocab": vocab, "target": quick_identity(target_path), "cfg": cfg, "seed": seed, "max_seq_len": max_seq_len}
+    )
+
+
+def _fault_after_step(step: int) -> None:
+    """Test hook: ``EAGLE3_FAULT_KILL_AFTER_STEPS=K`` SIGKILLs the process once the checkpoint after step K is saved."""
+    if os.environ.get("EAGLE3_FAULT_KILL_AFTER_STEPS") == str(step):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def train(
     shards: list[str],
     vocab_dir: str,
@@ -305,38 +359,88 @@ def train(
         aux,
         d2t.shape[0],
     )
+    ckpt = TrainCheckpoint(
+        Path(metrics_path).parent / ".checkpoint", _train_fingerprint(shards, vocab_dir, target_path, cfg, seed, max_seq_len)
+    )
+    state = ckpt.load()
+    step, tokens_seen, start_epoch, start_batch = 0, 0, 0, 0
+    lines: list[dict] = []
+    if state is not None:
+        model.load_state_dict(state["model"])
+        for opt, sd in zip(optimizers, state["optimizers"], strict=True):
+            opt.load_state_dict(sd)
+        for sch, sd in zip(schedulers, state["schedulers"], strict=True):
+            sch.load_state_dict(sd)
+        torch.set_rng_state(state["rng"])
+        step, tokens_seen, start_epoch, start_batch, lines = (
+            state["step"],
+            state["tokens_seen"],
+            state["epoch"],
+            state["batch"],
+            state["metrics"],
+        )
+        logger.info(
+            "resuming training from its checkpoint at step %d/%d (epoch %d, batch %d, %d tokens seen)",
+            step,
+            total_steps,
+            start_epoch,
+            start_batch,
+            tokens_seen,
+        )
+    tokens_at_start = tokens_seen
     timer = Timer()
-    step = 0
-    tokens_seen = 0
-    last_train: dict = {}
-    val_metrics: dict = {}
+    last_train: dict = next((x for x in reversed(lines) if x["split"] == "train"), {})
+    val_metrics: dict = next((x for x in reversed(lines) if x["split"] == "val"), {})
+    last_train = {k: v for k, v in last_train.items() if k not in ("split", "step", "epoch", "tokens", "seconds", "lr")}
+    val_metrics = {k: v for k, v in val_metrics.items() if k not in ("split", "step", "epoch")}
+    sampler = train_loader.batch_sampler
+    collate = train_loader.collate_fn
+    every = cfg["checkpoint_every_steps"]
+
+    def snapshot(epoch: int, batch: int) -> None:
+        ckpt.save(
+            {
+                "model": model.state_dict(),
+                "optimizers": [o.state_dict() for o in optimizers],
+                "schedulers": [s.state_dict() for s in schedulers],
+                "rng": torch.get_rng_state(),
+                "step": step,
+                "tokens_seen": tokens_seen,
+                "epoch": epoch,
+                "batch": batch,
+                "metrics": lines,
+            }
+        )
+
     model.train()
-    os.makedirs(os.path.dirname(os.path.abspath(metrics_path)), exist_ok=True)
-    tmp_metrics = Path(metrics_path).with_name(Path(metrics_path).name + ".tmp")
-    with open(tmp_metrics, "w", encoding="utf-8") as mf:
-        bar = progress(total=total_steps, desc="train", unit="step")
-        for epoch in range(cfg["epochs"]):
-            train_loader.batch_sampler.set_epoch(epoch)
-            for batch in train_loader:
-                if step >= total_steps:
-                    break
-                b = _batch_to(batch, device)
-                with torch.autocast(device.split(":")[0], dtype=autocast, enabled=autocast is not None):
-                    _, loss, metrics = model(**b, **call_kwargs)
-                for opt in optimizers:
-                    opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                for opt in optimizers:
-                    opt.step()
-                for sch in schedulers:
-                    sch.step()
-                n_tok = int((b["document_ids"] != -1).sum())
-                tokens_seen += n_tok
-                step += 1
-                last_train = _step_metrics(metrics)
-                if step % cfg["log_every_steps"] == 0 or step == total_steps:
-                    line = {
+    bar = progress(total=total_steps, initial=step, desc="train", unit="step")
+    for epoch in range(start_epoch, cfg["epochs"]):
+        if step >= total_steps:
+            break
+        sampler.set_epoch(epoch)
+        batches = list(sampler)
+        for bi, idxs in enumerate(batches):
+            if epoch == start_epoch and bi < start_batch:
+                continue  # done before the restart
+            if step >= total_steps:
+                break
+            b = _batch_to(collate([train_ds[i] for i in idxs]), device)
+            with torch.autocast(device.split(":")[0], dtype=autocast, enabled=autocast is not None):
+                _, loss, metrics = model(**b, **call_kwargs)
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            for opt in optimizers:
+                opt.step()
+            for sch in schedulers:
+                sch.step()
+            tokens_seen += int((b["document_ids"] != -1).sum())
+            step += 1
+            last_train = _step_metrics(metrics)
+            if step % cfg["log_every_steps"] == 0 or step == total_steps:
+                lines.append(
+                    {
                         "split": "train",
                         "step": step,
                         "epoch": epoch,
@@ -345,32 +449,35 @@ def train(
                         "lr": schedulers[0].get_last_lr()[0],
                         **last_train,
                     }
-                    mf.write(json.dumps(line) + "\n")
-                    mf.flush()
-                    logger.info(
-                        "step %d/%d loss %.4f acc0 %.3f tok/s %.0f",
-                        step,
-                        total_steps,
-                        last_train.get("loss", float("nan")),
-                        last_train.get("full_acc_0", float("nan")),
-                        tokens_seen / max(timer.seconds, 1e-9),
-                    )
-                bar.update(1)
-            if val_loader is not None:
-                val_metrics = evaluate_offline(model, val_loader, call_kwargs, device, autocast)
-                mf.write(json.dumps({"split": "val", "step": step, "epoch": epoch, **val_metrics}) + "\n")
-                mf.flush()
-                logger.info("epoch %d validation: %s", epoch, {k: round(v, 4) for k, v in val_metrics.items()})
-            if step >= total_steps:
-                break
-        bar.close()
+                )
+                logger.info(
+                    "step %d/%d loss %.4f acc0 %.3f tok/s %.0f",
+                    step,
+                    total_steps,
+                    last_train.get("loss", float("nan")),
+                    last_train.get("full_acc_0", float("nan")),
+                    (tokens_seen - tokens_at_start) / max(timer.seconds, 1e-9),
+                )
+            bar.update(1)
+            if every and step % every == 0 and step < total_steps and bi + 1 < len(batches):
+                snapshot(epoch, bi + 1)
+                _fault_after_step(step)
+        if val_loader is not None:
+            val_metrics = evaluate_offline(model, val_loader, call_kwargs, device, autocast)
+            lines.append({"split": "val", "step": step, "epoch": epoch, **val_metrics})
+            logger.info("epoch %d validation: %s", epoch, {k: round(v, 4) for k, v in val_metrics.items()})
+        if step < total_steps:
+            snapshot(epoch + 1, 0)
+            _fault_after_step(step)
+    bar.close()
     train_seconds = timer.seconds
 
     save_dtype = getattr(torch, cfg["save_dtype"])
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp, state_dict=convert_float_dtype(model.state_dict(), save_dtype))
         patch_config_dtype(tmp / "config.json", save_dtype)
-    os.replace(tmp_metrics, metrics_path)
+    write_text_atomic(metrics_path, "".join(json.dumps(x) + "\n" for x in lines))
+    ckpt.remove()
     return {
         "steps": step,
         "epochs": cfg["epochs"],
@@ -378,7 +485,8 @@ def train(
         "val_samples": len(val_items),
         "tokens_seen": tokens_seen,
         "seconds": round(train_seconds, 3),
-        "tokens_per_second": tokens_seen / train_seconds if train_seconds else 0.0,
+        "tokens_per_second": (tokens_seen - tokens_at_start) / train_seconds if train_seconds else 0.0,
+        "resumed_from_step": state["step"] if state is not None else None,
         "device": device,
         "aux_layer_ids": aux,
         "draft_vocab_size": int(d2t.shape[0]),

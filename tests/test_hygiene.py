@@ -1,0 +1,90 @@
+"""Host-wide full-model lock, disk preflight and resumable chunk stores."""
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from eagle3_pipeline.hygiene import check_disk, hidden_state_bytes, host_lock
+from eagle3_pipeline.io import InputError
+from eagle3_pipeline.resume import ChunkStore, chunk_ranges, todo_chunks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _holder(tmp_path: Path, seconds: float, marker: str) -> subprocess.Popen:
+    code = textwrap.dedent(
+        f"""
+        import sys, time
+        sys.path.insert(0, {str(ROOT / "workflow_scripts")!r})
+        from eagle3_pipeline.hygiene import host_lock
+        with host_lock(poll_seconds=0.1):
+            open({str(tmp_path / marker)!r}, "a").write(f"start {{time.time()}}\\n")
+            time.sleep({seconds})
+            open({str(tmp_path / marker)!r}, "a").write(f"end {{time.time()}}\\n")
+        """
+    )
+    return subprocess.Popen([sys.executable, "-c", code], env={"EAGLE3_LOCK_DIR": str(tmp_path / "locks"), "PATH": "/usr/bin:/bin"})
+
+
+def _interval(path: Path) -> tuple[float, float]:
+    d = dict(line.split() for line in path.read_text().splitlines())
+    return float(d["start"]), float(d["end"])
+
+
+def test_two_processes_never_hold_the_host_lock_together(tmp_path):
+    a = _holder(tmp_path, 1.5, "a")
+    time.sleep(0.5)
+    b = _holder(tmp_path, 0.2, "b")
+    assert a.wait(30) == 0 and b.wait(30) == 0
+    (a0, a1), (b0, b1) = _interval(tmp_path / "a"), _interval(tmp_path / "b")
+    assert a0 < a1 <= b0 < b1  # b waited for a
+
+
+def test_a_killed_holder_releases_the_lock(tmp_path):
+    a = _holder(tmp_path, 60, "a")
+    while not (tmp_path / "a").exists():
+        time.sleep(0.05)
+    a.kill()  # SIGKILL: no cleanup code runs
+    a.wait()
+    b = _holder(tmp_path, 0.1, "b")
+    assert b.wait(10) == 0 and (tmp_path / "b").read_text().count("end") == 1
+
+
+def test_disabled_lock_does_not_block(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE3_LOCK_DIR", str(tmp_path / "locks"))
+    with host_lock(), host_lock(enabled=False):
+        pass
+
+
+def test_disk_preflight_refuses_with_both_numbers(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**12, 0, 2 * 10**9))
+    need = hidden_state_bytes(1_000_000, 4, 4096, 2)  # 1M tokens, 4 layers x 4096 x bf16
+    assert need == 1_000_000 * (4 * 4096 * 2 + 9)
+    with pytest.raises(InputError, match=r"needs about 32\.78 GB but .* has 2\.00 GB free; .*extraction\.disk_preflight: false"):
+        check_disk(tmp_path / "results" / "x", need, what="extraction", override_key="extraction.disk_preflight")
+    check_disk(tmp_path, 10**9, what="extraction", override_key="extraction.disk_preflight")
+
+
+def test_chunk_store_keeps_finished_chunks_and_drops_them_when_inputs_change(tmp_path):
+    final = tmp_path / "out" / "shard-00000.jsonl"
+    ranges = chunk_ranges(10, 4)
+    assert ranges == [(0, 4), (4, 8), (8, 10)]
+    s = ChunkStore(final, "fp1", ".jsonl")
+    with s.writing(1) as tmp:
+        tmp.write_text("chunk 1\n")
+    (s.dir / ".chunk-000002.jsonl.x.tmp").write_text("half written")  # a kill mid-write
+    s = ChunkStore(final, "fp1", ".jsonl")
+    assert s.finished() == [1] and todo_chunks(s, ranges) == [0, 2]
+    assert not list(s.dir.glob(".*.tmp"))
+    s = ChunkStore(final, "fp2", ".jsonl")  # other inputs or settings
+    assert s.finished() == [] and todo_chunks(s, ranges) == [0, 1, 2]
+    s.remove()
+    assert not s.dir.exists()

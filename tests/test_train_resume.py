@@ -1,0 +1,80 @@
+"""A killed train_drafter resumes from its checkpoint and ends with the same weights."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from eagle3_pipeline.config import validate_config
+from eagle3_pipeline.conventions import loss_mask
+from eagle3_pipeline.hidden_states import Sample, write_shard
+from eagle3_pipeline.io import save_npy_atomic
+from eagle3_pipeline.vocab import build_mapping
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _train(work: Path, target: Path, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    cfg = validate_config(
+        {"training": {"epochs": 2, "pack_tokens": 256, "checkpoint_every_steps": 1, "val_fraction": 0.2, "log_every_steps": 1}}
+    )["training"]
+    code = f"""
+    import logging, sys
+    sys.path.insert(0, {str(ROOT / "workflow_scripts")!r})
+    logging.basicConfig(level=logging.INFO)
+    from eagle3_pipeline.training import train
+    if __name__ == "__main__":
+        train([{str(work.parent / "shard-00000.safetensors")!r}], {str(work.parent / "vocab")!r}, {str(target)!r},
+              {str(work / "drafter")!r}, {str(work / "train" / "metrics.jsonl")!r}, {cfg!r}, seed=0, max_seq_len=256)
+    """
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env={**os.environ, **(env_extra or {})}, capture_output=True, text=True
+    )
+
+
+def test_killed_training_resumes_to_the_same_weights(tmp_path, target_dir):
+    rng = np.random.default_rng(0)
+    samples, states = [], []
+    for i in range(12):
+        n_p, n_c = int(rng.integers(10, 40)), int(rng.integers(20, 60))
+        samples.append(Sample(f"{i:016x}", rng.integers(0, 600, size=n_p + n_c), loss_mask(n_p, n_c)))
+        states.append(torch.randn(n_p + n_c, 4, 576, dtype=torch.bfloat16))
+    write_shard(
+        tmp_path / "shard-00000.safetensors",
+        samples,
+        states,
+        layer_ids=[2, 15, 27, 30],
+        aux_layer_ids=[2, 15, 27],
+        index_path=tmp_path / "shard-00000.index.json",
+    )
+    counts = np.zeros(49152, dtype=np.int64)
+    counts[:600] = 1
+    d2t, t2d = build_mapping(counts, 512)
+    save_npy_atomic(tmp_path / "vocab" / "d2t.npy", d2t)
+    save_npy_atomic(tmp_path / "vocab" / "t2d.npy", t2d)
+
+    ref, killed = tmp_path / "ref", tmp_path / "killed"
+    r = _train(ref, target_dir)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = _train(killed, target_dir, {"EAGLE3_FAULT_KILL_AFTER_STEPS": "3"})
+    assert r.returncode == -signal.SIGKILL
+    assert not (killed / "drafter").exists() and (killed / "train" / ".checkpoint" / "state.pt").is_file()
+    r = _train(killed, target_dir)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming training from its checkpoint at step 3/" in r.stderr
+    a, b = load_file(str(ref / "drafter" / "model.safetensors")), load_file(str(killed / "drafter" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    lines_ref = [json.loads(x) for x in (ref / "train" / "metrics.jsonl").read_text().splitlines()]
+    lines_got = [json.loads(x) for x in (killed / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines_got] == [x["step"] for x in lines_ref]
+    assert [x.get("loss") for x in lines_got] == [x.get("loss") for x in lines_ref]
+    assert not (killed / "train" / ".checkpoint").exists()

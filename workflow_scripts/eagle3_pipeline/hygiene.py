@@ -1,0 +1,166 @@
+"""Host hygiene for full-model stages: a host-wide lock and a disk preflight.
+
+Snakemake's ``full_model`` resource serializes full-model jobs within one invocation;
+two invocations on the same host (two runs, two users) do not see each other's
+resources. :func:`host_lock` closes that gap with an advisory ``flock`` on a lock file
+shared by every run on the host; the kernel releases it when the holder exits, killed
+or not, so a crashed run never leaves a stale lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from .io import InputError
+
+logger = logging.getLogger(__name__)
+
+#: Default directory of host-wide lock files (override with EAGLE3_LOCK_DIR).
+DEFAULT_LOCK_DIR = "/tmp/eagle3-pipeline-locks"
+
+
+def lock_dir() -> Path:
+    """Directory of host-wide lock files: ``$EAGLE3_LOCK_DIR`` or :data:`DEFAULT_LOCK_DIR`."""
+    return Path(os.environ.get("EAGLE3_LOCK_DIR", DEFAULT_LOCK_DIR))
+
+
+@contextlib.contextmanager
+def host_lock(name: str = "full-model", *, enabled: bool = True, poll_seconds: float = 5.0) -> Iterator[None]:
+    """Hold the host-wide lock ``name`` for the duration of the block.
+
+    Blocks until the lock is free, logging who holds it (pid and command written into
+    the lock file by the holder) every ``poll_seconds``. ``enabled=False`` (cluster
+    runs, where each job owns its GPUs) is a no-op.
+    """
+    if not enabled:
+        yield
+        return
+    d = lock_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(PermissionError):
+        os.chmod(d, 0o1777)  # shared by every user of the host, like /tmp
+    path = d / f"{name}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        waited = 0.0
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if waited == 0.0 or waited % 60 < poll_seconds:
+                    holder = Path(path).read_text(errors="replace").strip() or "unknown"
+                    logger.info("waiting for the host-wide %s lock %s, held by %s", name, path, holder)
+                time.sleep(poll_seconds)
+                waited += poll_seconds
+        if waited:
+            logger.info("acquired the host-wide %s lock after %.0f s", name, waited)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}: {' '.join(_cmdline())}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def _cmdline() -> list[str]:
+    try:
+        return Path("/proc/self/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1][:4]
+    except OSError:
+        return ["?"]
+
+
+def check_disk(path: str | os.PathLike, need_bytes: int, *, what: str, override_key: str) -> None:
+    """Refuse to start when ``need_bytes`` will not fit on the filesystem of ``path``.
+
+    Raises:
+        InputError: with both numbers and the config key that skips the check.
+    """
+    p = Path(path)
+    while not p.exists():
+        p = p.parent
+    free = shutil.disk_usage(p).free
+    if need_bytes > free:
+        raise InputError(
+            f"{what} needs about {need_bytes / 1e9:.2f} GB but {p} has {free / 1e9:.2f} GB free; "
+            f"free space or move results/, or set {override_key}: false to skip this check"
+        )
+    logger.info("disk preflight: %s needs ~%.2f GB, %.2f GB free on %s", what, need_bytes / 1e9, free / 1e9, p)
+
+
+def hidden_state_bytes(num_tokens: int, num_layers: int, hidden_size: int, dtype_bytes: int) -> int:
+    """Bytes of stored hidden states: tokens × layers × hidden × bytes per element.
+
+    The ids, loss mask and offsets add ~9 bytes per token, included here.
+    """
+    return num_tokens * (num_layers * hidden_size * dtype_bytes + 9)
+
+
+class ProcessRecord:
+    """A pidfile of the processes a stage started (vLLM's engine core and workers).
+
+    A stage records its child processes once its engine is up and clears the record
+    after shutting the engine down. If the stage is killed (SIGKILL cannot be caught),
+    the record stays and the next full-model stage of the run calls
+    :func:`cleanup_stale_processes`, which ends exactly those processes — identified by
+    pid *and* start time, so a reused pid is never hit, and never by name.
+    """
+
+    def __init__(self, pid_dir: str | os.PathLike, name: str):
+        self.path = Path(pid_dir) / f"{name}.json"
+
+    def record(self) -> None:
+        import psutil
+
+        from .io import write_json_atomic
+
+        me = psutil.Process()
+        kids = [{"pid": c.pid, "create_time": c.create_time(), "name": c.name()} for c in me.children(recursive=True)]
+        write_json_atomic(self.path, {"pid": me.pid, "create_time": me.create_time(), "children": kids})
+
+    def clear(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def cleanup_stale_processes(pid_dir: str | os.PathLike, grace_seconds: float = 5.0) -> list[int]:
+    """End processes left by killed stages of this run (see :class:`ProcessRecord`).
+
+    Records whose stage process is still alive belong to a running stage and are left
+    alone. Returns the pids that were ended (SIGTERM, then SIGKILL after ``grace_seconds``).
+    """
+    import json
+
+    import psutil
+
+    ended: list[int] = []
+    for f in sorted(Path(pid_dir).glob("*.json")) if Path(pid_dir).is_dir() else []:
+        rec = json.loads(f.read_text())
+        if _same_process(rec["pid"], rec["create_time"]):
+            continue  # that stage is still running
+        procs = [psutil.Process(c["pid"]) for c in rec["children"] if _same_process(c["pid"], c["create_time"])]
+        for p in procs:
+            logger.warning("ending pid %d (%s) left by a killed stage (record %s)", p.pid, p.name(), f)
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.terminate()
+        _, alive = psutil.wait_procs(procs, timeout=grace_seconds)
+        for p in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        ended += [p.pid for p in procs]
+        f.unlink(missing_ok=True)
+    return ended
+
+
+def _same_process(pid: int, create_time: float) -> bool:
+    import psutil
+
+    try:
+        return abs(psutil.Process(pid).create_time() - create_time) < 1e-3
+    except psutil.NoSuchProcess:
+        return False

@@ -1,0 +1,109 @@
+"""Resumable shard jobs: finished chunks survive a killed job; the rerun does only the rest.
+
+A shard job (generation or extraction of one shard) splits its records, in their fixed
+(prompt-id) order, into chunks of a fixed size. Each finished chunk is written
+atomically into ``.<output name>.partial/`` beside the final output, so a chunk file
+exists only when complete. A rerun with the same inputs and settings (same
+*fingerprint*) skips the chunks already there; with a different fingerprint the old
+chunks are discarded. When every chunk is done the job assembles the final output in
+chunk order (deterministic, whatever order chunks finished in) and removes the
+directory. Snakemake deletes a failed job's outputs but not this directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from .io import atomic_path, write_text_atomic
+
+logger = logging.getLogger(__name__)
+
+
+class ChunkStore:
+    """Finished chunks of one shard job, kept across kills.
+
+    Args:
+        final_path: the job's final output; chunks live in ``.<name>.partial/`` beside it.
+        fingerprint: identity of the job's inputs and settings (hex digest); chunks
+            written under another fingerprint are discarded.
+        suffix: chunk file suffix (``.jsonl``, ``.safetensors``).
+    """
+
+    def __init__(self, final_path: str | os.PathLike, fingerprint: str, suffix: str):
+        self.final_path = Path(final_path)
+        self.dir = self.final_path.parent / f".{self.final_path.name}.partial"
+        self.suffix = suffix
+        stamp = self.dir / "FINGERPRINT"
+        if self.dir.exists():
+            old = stamp.read_text().strip() if stamp.is_file() else None
+            if old != fingerprint:
+                n = len(self.finished())
+                logger.warning("%s: inputs or settings changed since %d chunk(s) were written; discarding them", self.final_path, n)
+                shutil.rmtree(self.dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.dir.glob(".*.tmp"):  # temp files of a job killed mid-write
+            stale.unlink(missing_ok=True)
+        if not stamp.is_file():
+            write_text_atomic(stamp, fingerprint + "\n")
+        self._written = 0
+
+    def path(self, index: int) -> Path:
+        """Path of chunk ``index`` (exists only once the chunk is complete)."""
+        return self.dir / f"chunk-{index:06d}{self.suffix}"
+
+    def finished(self) -> list[int]:
+        """Indices of the complete chunks."""
+        return sorted(int(p.name[6:12]) for p in self.dir.glob(f"chunk-*{self.suffix}")) if self.dir.exists() else []
+
+    @contextlib.contextmanager
+    def writing(self, index: int) -> Iterator[Path]:
+        """Yield a temporary path that becomes chunk ``index`` when the block succeeds.
+
+        Fault injection for tests: with ``EAGLE3_FAULT_KILL_AFTER_CHUNKS=K`` the process
+        SIGKILLs itself right after its K-th chunk is in place; with
+        ``EAGLE3_FAULT_KILL_MID_CHUNK=K`` it does so while its K-th chunk is written
+        but not yet renamed into place.
+        """
+        self._written += 1
+        with atomic_path(self.path(index), suffix=self.suffix) as tmp:
+            yield tmp
+            if _fault("EAGLE3_FAULT_KILL_MID_CHUNK") == self._written:
+                os.kill(os.getpid(), signal.SIGKILL)
+        if _fault("EAGLE3_FAULT_KILL_AFTER_CHUNKS") == self._written:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def remove(self) -> None:
+        """Delete the chunk directory (after the final output is written)."""
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _fault(var: str) -> int | None:
+    v = os.environ.get(var)
+    return int(v) if v else None
+
+
+def chunk_ranges(n: int, chunk_size: int) -> list[tuple[int, int]]:
+    """``[(start, end), ...]`` covering ``range(n)`` in chunks of ``chunk_size`` (last may be shorter)."""
+    return [(s, min(s + chunk_size, n)) for s in range(0, n, chunk_size)]
+
+
+def todo_chunks(store: ChunkStore, ranges: Sequence[tuple[int, int]]) -> list[int]:
+    """Indices of the chunks still to do, logging what a resume skips."""
+    done = set(store.finished())
+    todo = [i for i in range(len(ranges)) if i not in done]
+    if done:
+        logger.info(
+            "resuming %s: %d of %d chunks already finished (%d records), %d to do",
+            store.final_path,
+            len(done & set(range(len(ranges)))),
+            len(ranges),
+            sum(ranges[i][1] - ranges[i][0] for i in done if i < len(ranges)),
+            len(todo),
+        )
+    return todo

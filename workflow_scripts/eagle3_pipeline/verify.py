@@ -1,0 +1,69 @@
+"""The ``verify`` target: re-check every shard against its manifest.
+
+Trace shards are checked against ``traces_sha256`` and ``ok`` in their
+``.summary.json``; hidden-state shards against ``sha256``, ``num_samples`` and
+``num_tokens`` in their ``.index.json``, and their safetensors header and offsets are
+read back. A shard that is missing, truncated or altered is named with what differs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .io import sha256_file
+
+
+def _check_trace_shard(path: Path) -> list[str]:
+    summary = path.with_name(path.name.replace(".jsonl", ".summary.json"))
+    if not path.is_file():
+        return [f"{path}: missing"]
+    if not summary.is_file():
+        return [f"{summary}: manifest missing"]
+    m = json.loads(summary.read_text())
+    problems = []
+    digest = sha256_file(path)
+    if digest != m.get("traces_sha256"):
+        problems.append(f"{path}: sha256 {digest[:12]}… does not match the manifest's {str(m.get('traces_sha256'))[:12]}…")
+    with open(path, "rb") as f:
+        n = sum(1 for line in f if line.strip())
+    if n != m.get("ok"):
+        problems.append(f"{path}: {n} records, the manifest says {m.get('ok')}")
+    return problems
+
+
+def _check_hidden_shard(path: Path) -> list[str]:
+    from .hidden_states import ShardReader
+
+    index = path.with_name(path.name.replace(".safetensors", ".index.json"))
+    if not path.is_file():
+        return [f"{path}: missing"]
+    if not index.is_file():
+        return [f"{index}: manifest missing"]
+    m = json.loads(index.read_text())
+    problems = []
+    if os.path.getsize(path) != m.get("bytes"):
+        problems.append(f"{path}: {os.path.getsize(path)} bytes, the manifest says {m.get('bytes')} (truncated?)")
+    digest = sha256_file(path)
+    if digest != m.get("sha256"):
+        problems.append(f"{path}: sha256 {digest[:12]}… does not match the manifest's {str(m.get('sha256'))[:12]}…")
+    try:
+        r = ShardReader(path)
+        if len(r) != m["num_samples"] or int(r.offsets[-1]) != m["num_tokens"]:
+            problems.append(
+                f"{path}: {len(r)} samples / {int(r.offsets[-1])} tokens, the manifest says {m['num_samples']} / {m['num_tokens']}"
+            )
+    except Exception as e:  # a damaged header raises from safetensors
+        problems.append(f"{path}: unreadable ({type(e).__name__}: {e})")
+    return problems
+
+
+def verify_run(trace_shards: list[str], hidden_shards: list[str]) -> dict:
+    """Check all shards; returns ``{"checked": n, "problems": [...]}`` (empty problems = all good)."""
+    problems: list[str] = []
+    for p in trace_shards:
+        problems += _check_trace_shard(Path(p))
+    for p in hidden_shards:
+        problems += _check_hidden_shard(Path(p))
+    return {"checked": len(trace_shards) + len(hidden_shards), "problems": problems}
