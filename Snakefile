@@ -15,6 +15,7 @@ include: "rules/build_vocab_mapping.smk"
 include: "rules/extract_hidden_states.smk"
 include: "rules/train_drafter.smk"
 include: "rules/evaluate_drafter.smk"
+include: "rules/summarize_run.smk"
 include: "rules/verify.smk"
 
 

@@ -130,6 +130,22 @@ def get_hidden_state_shards(wildcards):
     )
 
 
+def get_trace_summaries(wildcards):
+    return expand(
+        "results/{run}/traces/shard-{shard}.summary.json",
+        run=wildcards.run,
+        shard=SHARDS,
+    )
+
+
+def get_hidden_state_indexes(wildcards):
+    return expand(
+        "results/{run}/hidden_states/shard-{shard}.index.json",
+        run=wildcards.run,
+        shard=SHARDS,
+    )
+
+
 def get_num_speculative_tokens():
     k = config["evaluation"]["num_speculative_tokens"]
     return k if k is not None else config["training"]["ttt_steps"]
@@ -139,4 +155,4 @@ check_config_against_target()
 
 
 def get_final_outputs():
-    return [f"results/{RUN}/eval/acceptance.json"]
+    return [f"results/{RUN}/eval/acceptance.json", f"results/{RUN}/summary.json"]

@@ -204,6 +204,43 @@ def test_acceptance_length_read_from_vllm_counters(run):
     assert acc["engine"]["platform"] == "cpu"
 
 
+def test_run_summary_totals_every_reject(run):
+    _, _, res = run
+    s = json.loads((res / "summary.json").read_text())
+    p = json.loads((res / "prompts/summary.json").read_text())
+    acc = json.loads((res / "eval/acceptance.json").read_text())
+    assert s["prompts"]["kept"] == 12 and s["prompts"]["rejects_by_reason"] == p["rejects_by_reason"]
+    assert s["generation"]["ok"] + s["generation"]["rejected"] == s["generation"]["prompts"] == 12
+    assert s["rejects"]["total"] == p["rejected"] + s["generation"]["rejected"]
+    assert s["hidden_states"]["samples"] == s["generation"]["ok"] and s["hidden_states"]["layer_ids"] == [2, 15, 27, 30]
+    assert s["evaluation"]["acceptance_length"] == acc["acceptance_length"]
+
+
+def test_verify_target_passes_on_the_finished_run(run):
+    wd, cfg, _ = run
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "--cores",
+            "1",
+            "-s",
+            str(ROOT / "Snakefile"),
+            "-d",
+            str(wd),
+            "--configfile",
+            str(cfg),
+            "--",  # --configfile takes several values
+            "verify",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "all 4 shards match their manifests" in (wd / "logs" / "e2e" / "verify.log").read_text()
+
+
 def _job_intervals(workdir: Path) -> list[tuple[str, datetime, datetime]]:
     """(rule, start, end) of each job from Snakemake's own run log."""
     (log,) = sorted((workdir / ".snakemake" / "log").glob("*.snakemake.log"))[:1]
@@ -238,14 +275,21 @@ def _changed(wd: Path, name: str, **section) -> Path:
 def test_dry_run_is_clean_and_changes_rerun_exactly_the_dependents(run):
     wd, cfg, _ = run
     assert dry_run_jobs(wd, cfg) == Counter()
-    downstream_of_traces = {"build_vocab_mapping": 1, "extract_hidden_states": 2, "train_drafter": 1, "evaluate_drafter": 1, "all": 1}
+    downstream_of_traces = {
+        "build_vocab_mapping": 1,
+        "extract_hidden_states": 2,
+        "train_drafter": 1,
+        "evaluate_drafter": 1,
+        "summarize_run": 1,
+        "all": 1,
+    }
     # draft vocab size: vocab, training, evaluation; traces and hidden states are kept
     assert dry_run_jobs(wd, _changed(wd, "vocab", vocab={"draft_vocab_size": 1024})) == Counter(
-        {"build_vocab_mapping": 1, "train_drafter": 1, "evaluate_drafter": 1, "all": 1}
+        {"build_vocab_mapping": 1, "train_drafter": 1, "evaluate_drafter": 1, "summarize_run": 1, "all": 1}
     )
     # layer ids: extraction and everything after it, not generation or vocab
     assert dry_run_jobs(wd, _changed(wd, "layers", extraction={**SMALL["extraction"], "aux_layer_ids": [1, 15, 27]})) == Counter(
-        {"extract_hidden_states": 2, "train_drafter": 1, "evaluate_drafter": 1, "all": 1}
+        {"extract_hidden_states": 2, "train_drafter": 1, "evaluate_drafter": 1, "summarize_run": 1, "all": 1}
     )
     # prompts: the prompt set and all that derives from it; the target and eval prompts stay
     assert dry_run_jobs(wd, _changed(wd, "prompts", prompts={**SMALL["prompts"], "max_prompts": 11})) == Counter(

@@ -88,3 +88,53 @@ def test_chunk_store_keeps_finished_chunks_and_drops_them_when_inputs_change(tmp
     assert s.finished() == [] and todo_chunks(s, ranges) == [0, 1, 2]
     s.remove()
     assert not s.dir.exists()
+
+
+def _fake_smi(tmp_path, monkeypatch, apps: str):
+    import os
+
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text(
+        '#!/bin/sh\ncase "$1" in --query-compute-apps*) printf "%s" "$APPS";; --query-gpu*) printf "0, GPU-aaa\\n1, GPU-bbb\\n";; esac\n'
+    )
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{smi.parent}:{os.environ['PATH']}")
+    monkeypatch.setenv("APPS", apps)
+
+
+def test_busy_gpus_fail_fast_naming_pids_and_commands(tmp_path, monkeypatch):
+    import os
+
+    from eagle3_pipeline.hygiene import check_gpus_free, gpu_processes
+
+    me = os.getpid()
+    _fake_smi(tmp_path, monkeypatch, f"{me}, python, 71000, GPU-bbb\n1, vllm, 120000, GPU-aaa\n")
+    assert [p["pid"] for p in gpu_processes()] == [me, 1]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert [p["pid"] for p in gpu_processes()] == [1]  # only the GPUs this job may use
+    with pytest.raises(RuntimeError, match=r"pid 1 \(120000 MiB on GPU-aaa\)"):
+        check_gpus_free()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    check_gpus_free()  # only this process on GPU 1
+
+
+def test_no_nvidia_smi_means_no_gpu_check(monkeypatch):
+    from eagle3_pipeline.hygiene import check_gpus_free, gpu_processes
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert gpu_processes() == []
+    check_gpus_free()
+
+
+def test_broken_nvidia_smi_means_no_gpu_check(tmp_path, monkeypatch):
+    import os
+
+    from eagle3_pipeline.hygiene import gpu_processes
+
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver.' >&2\nexit 9\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{smi.parent}:{os.environ['PATH']}")
+    assert gpu_processes() == []

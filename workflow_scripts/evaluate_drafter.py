@@ -5,7 +5,7 @@ from pathlib import Path
 
 from eagle3_pipeline.engine import build_llm, engine_identity, shutdown_llm
 from eagle3_pipeline.evaluation import run_eval
-from eagle3_pipeline.hygiene import ProcessRecord, cleanup_stale_processes, host_lock
+from eagle3_pipeline.hygiene import ProcessRecord, check_gpus_free, cleanup_stale_processes, host_lock
 from eagle3_pipeline.io import read_json, read_jsonl, write_json_atomic, write_jsonl_atomic
 from eagle3_pipeline.runtime import Timer, start_log
 from eagle3_pipeline.target_model import load_tokenizer
@@ -19,6 +19,7 @@ if __name__ == "__main__":
     pids = ProcessRecord(Path(sm.output.acceptance).parents[1] / ".pids", "evaluate_drafter")
     with host_lock(enabled=sm.params.host_lock):
         cleanup_stale_processes(pids.path.parent)
+        check_gpus_free()
         load = Timer()
         llm = build_llm(
             sm.input.target,

@@ -288,7 +288,7 @@ def run_generation_shard(
     import json
 
     from .engine import build_llm, engine_identity, shutdown_llm
-    from .hygiene import ProcessRecord, cleanup_stale_processes, host_lock
+    from .hygiene import ProcessRecord, check_gpus_free, cleanup_stale_processes, host_lock
     from .io import read_jsonl, sha256_file, sha256_json, write_json_atomic, write_jsonl_atomic
     from .resume import ChunkStore, chunk_ranges, todo_chunks
     from .runtime import Timer
@@ -306,6 +306,7 @@ def run_generation_shard(
         pids = ProcessRecord(Path(out["traces"]).parents[1] / ".pids", Path(out["traces"]).stem)
         with host_lock(enabled=host_lock_enabled):
             cleanup_stale_processes(pids.path.parent)
+            check_gpus_free()
             load = Timer()
             llm = build_llm(
                 target,

@@ -314,7 +314,7 @@ def run_extraction_shard(
             or has an empty completion; FloatingPointError: NaN/Inf states.
     """
     from .conventions import resolve_layer_ids
-    from .hygiene import check_disk, hidden_state_bytes, host_lock
+    from .hygiene import check_disk, check_gpus_free, hidden_state_bytes, host_lock
     from .io import read_jsonl, sha256_file, sha256_json
     from .resume import ChunkStore, chunk_ranges, todo_chunks
     from .runtime import Timer
@@ -338,6 +338,7 @@ def run_extraction_shard(
     new_tokens = 0
     if todo:
         with host_lock(enabled=host_lock_enabled):
+            check_gpus_free()
             load = Timer()
             model = load_hf_target(target, cfg["device"], trust_remote_code)
             load_s = load.seconds

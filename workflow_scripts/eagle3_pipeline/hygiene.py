@@ -164,3 +164,64 @@ def _same_process(pid: int, create_time: float) -> bool:
         return abs(psutil.Process(pid).create_time() - create_time) < 1e-3
     except psutil.NoSuchProcess:
         return False
+
+
+def gpu_processes() -> list[dict]:
+    """Compute processes on the visible GPUs: ``[{"pid", "name", "used_mib", "gpu_uuid", "cmdline"}]``.
+
+    Read with ``nvidia-smi --query-compute-apps``; an empty list where there is no
+    working ``nvidia-smi`` (CPU machines). ``CUDA_VISIBLE_DEVICES`` restricts the GPUs (indices
+    or UUIDs).
+    """
+    import subprocess
+
+    import psutil
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    q = subprocess.run(
+        [smi, "--query-compute-apps=pid,process_name,used_memory,gpu_uuid", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+    )
+    if q.returncode != 0:  # a CUDA toolkit without a driver or GPU
+        logger.debug("nvidia-smi failed (%s); no GPU check", q.stderr.strip())
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    uuids = None
+    if visible:
+        g = subprocess.run([smi, "--query-gpu=index,uuid", "--format=csv,noheader"], capture_output=True, text=True, check=True)
+        pairs = [tuple(x.strip() for x in line.split(",")) for line in g.stdout.splitlines() if line.strip()]
+        want = {v.strip() for v in visible.split(",")}
+        uuids = {u for i, u in pairs if i in want or u in want}
+    out = []
+    for line in q.stdout.splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) < 4 or not parts[0].isdigit():
+            continue
+        pid, name, used, uuid = int(parts[0]), parts[1], parts[2], parts[3]
+        if uuids is not None and uuid not in uuids:
+            continue
+        try:
+            cmd = " ".join(psutil.Process(pid).cmdline()) or name
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            cmd = name
+        out.append({"pid": pid, "name": name, "used_mib": int(used) if used.isdigit() else None, "gpu_uuid": uuid, "cmdline": cmd})
+    return out
+
+
+def check_gpus_free() -> None:
+    """Fail fast when other processes hold memory on the GPUs this stage will use.
+
+    Raises:
+        RuntimeError: listing each pid, its memory and command line, and what to do.
+    """
+    procs = [p for p in gpu_processes() if p["pid"] != os.getpid()]
+    if procs:
+        lines = "\\n".join(f"  pid {p['pid']} ({p['used_mib']} MiB on {p['gpu_uuid']}): {p['cmdline']}" for p in procs)
+        raise RuntimeError(
+            "the GPUs this full-model stage needs are in use by:\\n"
+            + lines
+            + "\\nstop those processes (e.g. a vLLM server left running) and rerun"
+        )
