@@ -78,3 +78,16 @@ def test_null_chat_template_is_no_chat_template(tmp_path, target_dir):
     (d / "tokenizer_config.json").write_text(json.dumps({**tc, "chat_template": None}))
     with pytest.raises(InputError, match="has no chat template"):
         check_target_dir(d)
+
+
+def test_wrong_model_path_is_a_clear_error(tmp_path):
+    from eagle3_pipeline.io import InputError
+    from eagle3_pipeline.target_model import check_target_dir
+
+    (tmp_path / "notamodel").mkdir()
+    (tmp_path / "notamodel" / "README.md").write_text("hi")
+    with pytest.raises(InputError, match="has no config.json; target.path must be a Hugging Face model directory"):
+        check_target_dir(tmp_path / "notamodel")
+    (tmp_path / "notamodel" / "config.json").write_text("{}")
+    with pytest.raises(InputError, match=r"has no weights \(\*\.safetensors or \*\.bin\)"):
+        check_target_dir(tmp_path / "notamodel")
