@@ -4,11 +4,18 @@ import pytest
 from eagle3_pipeline.conventions import default_aux_layer_ids, loss_mask, resolve_layer_ids
 
 
-def test_default_aux_ids_match_speculators():
-    from speculators.models.utils import resolve_target_layer_ids  # noqa: F401 (the reference rule)
+def test_default_aux_ids_match_speculators(target_dir, tmp_path):
+    import json
 
-    assert default_aux_layer_ids(30) == [2, 15, 27]
-    assert default_aux_layer_ids(61) == [2, 30, 58]
+    from speculators.models.utils import resolve_target_layer_ids
+
+    assert default_aux_layer_ids(30) == [2, 15, 27] == resolve_target_layer_ids(None, str(target_dir))
+    deep = tmp_path / "deep"
+    deep.mkdir()
+    (deep / "config.json").write_text(
+        json.dumps({"model_type": "llama", "num_hidden_layers": 61, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 100})
+    )
+    assert default_aux_layer_ids(61) == [2, 30, 58] == resolve_target_layer_ids(None, str(deep))
 
 
 def test_resolve_layer_ids_appends_final_layer():

@@ -263,6 +263,10 @@ class ShardReader:
     def lengths(self) -> list[int]:
         return (self.offsets[1:] - self.offsets[:-1]).tolist()
 
+    def all_hidden_states(self) -> torch.Tensor:
+        """The whole ``hidden_states`` tensor ``[T, L, H]`` (read into memory)."""
+        return self._f.get_tensor("hidden_states")
+
     def sample(self, i: int) -> dict:
         """Sample ``i``: ``input_ids`` [T], ``loss_mask`` [T], ``hidden_states`` [T, L, H]."""
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
@@ -277,7 +281,7 @@ class ShardReader:
 def read_shard(path: str | os.PathLike) -> tuple[list[Sample], list[torch.Tensor], list[int], list[int]]:
     """``(samples, per-sample states [T_i, L, H], layer_ids, aux_layer_ids)`` of a whole shard."""
     r = ShardReader(path)
-    hs = r._f.get_tensor("hidden_states")
+    hs = r.all_hidden_states()
     samples, states = [], []
     for i, sid in enumerate(r.sample_ids):
         a, b = int(r.offsets[i]), int(r.offsets[i + 1])
