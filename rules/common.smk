@@ -19,6 +19,12 @@ from eagle3_pipeline.target_model import (
     target_shape,
 )
 
+# A boolean nested in a --config mapping (profiles/slurm's `resources: {host_lock: false}`)
+# arrives as the string "False"/"false": Snakemake reads --config values with YAML's BaseLoader.
+_host_lock = config.get("resources", {}).get("host_lock")
+if isinstance(_host_lock, str) and _host_lock.lower() in ("true", "false"):
+    config["resources"]["host_lock"] = _host_lock.lower() == "true"
+
 try:
     _validated = validate_config(config)
 except ConfigError as e:
@@ -33,11 +39,27 @@ workflow.global_resources.setdefault("full_model", 1)
 RUN = config["run"]
 SHARDS = [f"{i:05d}" for i in range(config["prompts"]["num_shards"])]
 BUILTIN_TARGET_DIR = "resources/models/smollm2-135m-instruct"
-FULL_MODEL_GPUS = (
-    config["resources"]["full_model_gpus"]
-    if config["resources"]["full_model_gpus"] is not None
-    else config["vllm"]["tensor_parallel_size"]
+_V = config["vllm"]
+_ENGINE_GPUS = _V["tensor_parallel_size"] * _V["pipeline_parallel_size"]
+_X = config["extraction"]
+if _X["data_parallel_size"] is None:
+    _X["data_parallel_size"] = _V["data_parallel_size"]
+if _X["gpus_per_replica"] is None:
+    _X["gpus_per_replica"] = _ENGINE_GPUS
+_OVERRIDE_GPUS = config["resources"]["full_model_gpus"]
+# GPUs each full-model job uses (its `gpu` resource; --gpus on SLURM).
+GENERATION_GPUS = (
+    _OVERRIDE_GPUS
+    if _OVERRIDE_GPUS is not None
+    else _V["data_parallel_size"] * _ENGINE_GPUS
 )
+EXTRACTION_GPUS = (
+    _OVERRIDE_GPUS
+    if _OVERRIDE_GPUS is not None
+    else _X["data_parallel_size"] * _X["gpus_per_replica"]
+)
+EVALUATION_GPUS = _OVERRIDE_GPUS if _OVERRIDE_GPUS is not None else _ENGINE_GPUS
+TRAIN_PROCESSES = max(1, config["resources"]["train_gpus"])
 THREADS = config["resources"]["threads"]
 
 

@@ -15,7 +15,7 @@ rule evaluate_drafter:
         "../envs/cpu.yaml"
     threads: THREADS
     resources:
-        gpu=FULL_MODEL_GPUS,
+        gpu=EVALUATION_GPUS,
         full_model=1,
     params:
         host_lock=config["resources"]["host_lock"],

@@ -13,7 +13,7 @@ rule extract_hidden_states:
         "../envs/cpu.yaml"
     threads: THREADS
     resources:
-        gpu=FULL_MODEL_GPUS,
+        gpu=EXTRACTION_GPUS,
         full_model=1,
     params:
         host_lock=config["resources"]["host_lock"],

@@ -14,7 +14,7 @@ rule generate_traces:
         "../envs/cpu.yaml"
     threads: THREADS
     resources:
-        gpu=FULL_MODEL_GPUS,
+        gpu=GENERATION_GPUS,
         full_model=1,
     params:
         host_lock=config["resources"]["host_lock"],

@@ -21,6 +21,7 @@ rule train_drafter:
         trust_remote_code=config["target"]["trust_remote_code"],
         training=config["training"],
         init_identity=get_init_drafter_identity(),
+        train_processes=TRAIN_PROCESSES,
         seed=config["seed"],
         max_seq_len=config["max_seq_len"],
     script:

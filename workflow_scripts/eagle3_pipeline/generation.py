@@ -254,6 +254,89 @@ def generate_shard(
     return res
 
 
+def _generation_replica(job: dict, rank: int, chunks) -> None:
+    """One engine replica of a generation job: generate the chunks it takes from ``chunks``.
+
+    Runs in the job's process (one replica) or in a spawned replica process
+    (:func:`eagle3_pipeline.parallel.run_replicas`). Writes each chunk atomically into
+    the job's chunk store and its timing to ``replica-<rank>.json`` there.
+    """
+    import json
+
+    from .engine import build_llm, engine_identity, shutdown_llm
+    from .hygiene import ProcessRecord
+    from .io import write_json_atomic
+    from .resume import ChunkStore
+    from .runtime import Timer
+    from .target_model import load_tokenizer
+
+    params, records, ranges = job["params"], job["records"], job["ranges"]
+    store = ChunkStore.attach(job["traces"], ".jsonl")
+    stem = Path(job["traces"]).stem
+    pids = ProcessRecord(Path(job["traces"]).parents[1] / ".pids", stem if rank == 0 else f"{stem}.replica{rank}")
+    load = Timer()
+    llm = build_llm(
+        job["target"],
+        params["vllm"],
+        seed=params["seed"],
+        max_model_len=params["max_seq_len"],
+        trust_remote_code=params["trust_remote_code"],
+    )
+    load_s = load.seconds
+    pids.record()
+    tokenizer = load_tokenizer(job["target"], params["trust_remote_code"])
+    engine = engine_identity()
+    gen = Timer()
+    tokens = done = 0
+    for i in chunks:
+        a, b = ranges[i]
+        res = generate_shard(
+            llm,
+            tokenizer,
+            records[a:b],
+            params["generation"],
+            max_seq_len=params["max_seq_len"],
+            seed=params["seed"],
+            engine=engine,
+            model=job["model"],
+            require_traces=False,
+        )
+        tokens += res.summary()["completion_tokens"]
+        done += 1
+        lines = [{"trace": t} for t in res.traces] + [{"reject": r.as_dict()} for r in res.rejects]
+        with store.writing(i) as tmp, open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(x, ensure_ascii=False, sort_keys=True) + "\n" for x in lines)
+        logger.info("chunk %d/%d done (prompts %d-%d)", i + 1, len(ranges), a, b - 1)
+    gen_s = gen.seconds
+    shutdown_llm(llm)
+    pids.clear()
+    write_json_atomic(
+        store.dir / f"replica-{rank}.json",
+        {"rank": rank, "chunks": done, "model_load_seconds": load_s, "generate_seconds": gen_s, "completion_tokens": tokens},
+    )
+
+
+def replica_stats(store_dir: Path) -> dict:
+    """Timing of a job's replicas (``replica-*.json`` in its chunk store), combined.
+
+    Returns ``{"model_load_seconds", "<work>_seconds", ...}`` where seconds are the
+    slowest replica's (replicas run side by side) and counts are summed, plus
+    ``"replicas"``: the per-replica records. Empty when no replica ran.
+    """
+    import json
+
+    recs = [json.loads(p.read_text()) for p in sorted(store_dir.glob("replica-*.json"))]
+    if not recs:
+        return {}
+    out: dict = {"replicas": recs}
+    for k in recs[0]:
+        if k == "rank":
+            continue
+        vals = [r[k] for r in recs]
+        out[k] = max(vals) if k.endswith("seconds") else sum(vals)
+    return out
+
+
 def run_generation_shard(
     prompts_path: str,
     out: dict,
@@ -263,13 +346,15 @@ def run_generation_shard(
     chunk_prompts: int,
     host_lock_enabled: bool = True,
 ) -> dict:
-    """The generate_traces job: resumable generation of one prompt shard.
+    """The generate_traces job: resumable, optionally data-parallel generation of one prompt shard.
 
     Prompts (in id order) are generated in chunks of ``chunk_prompts``; each finished
     chunk is kept (:mod:`eagle3_pipeline.resume`), so a killed job's rerun generates
     only the unfinished chunks and the final traces are identical to an uninterrupted
-    run's (same order; greedy decoding or an engine seed). The engine is started only
-    when chunks remain, under the host-wide full-model lock.
+    run's (same order; greedy decoding or an engine seed). The engines are started only
+    when chunks remain, under the host-wide full-model lock. With
+    ``vllm.data_parallel_size = D > 1``, D engine replicas (each on tensor × pipeline
+    parallel GPUs) share the chunks (:mod:`eagle3_pipeline.parallel`).
 
     Args:
         prompts_path: ``prompts/shard-NNNNN.jsonl``.
@@ -277,70 +362,50 @@ def run_generation_shard(
         target: target model directory.
         params: ``{"generation", "vllm", "seed", "max_seq_len", "trust_remote_code"}``.
         chunk_prompts: prompts per resumable chunk.
-        host_lock_enabled: hold the host-wide full-model lock while the engine runs.
+        host_lock_enabled: hold the host-wide full-model lock while the engines run.
 
     Returns:
         the summary written to ``out["summary"]``.
 
     Raises:
         InputError: every prompt of the shard was rejected.
+        ValueError: fewer GPUs visible than the replicas need.
+        RuntimeError: a replica failed (finished chunks are kept).
     """
-    import json
+    import functools
 
-    from .engine import build_llm, engine_identity, shutdown_llm
-    from .hygiene import ProcessRecord, check_gpus_free, cleanup_stale_processes, host_lock
+    from .hygiene import check_gpus_free, cleanup_stale_processes, host_lock
     from .io import read_jsonl, sha256_file, sha256_json, write_json_atomic, write_jsonl_atomic
+    from .parallel import run_replicas
     from .resume import ChunkStore, chunk_ranges, todo_chunks
     from .runtime import Timer
-    from .target_model import load_tokenizer, model_fingerprint
+    from .target_model import model_fingerprint
 
     records = sorted(read_jsonl(prompts_path), key=lambda r: r["id"])
     model = {"path": target, "fingerprint": model_fingerprint(target)}
-    fingerprint = sha256_json({"prompts": sha256_file(prompts_path), "model": model, "params": params, "chunk": chunk_prompts})
+    # data_parallel_size does not change the traces: a resume may use another one.
+    fp_params = {**params, "vllm": {k: v for k, v in params["vllm"].items() if k != "data_parallel_size"}}
+    fingerprint = sha256_json({"prompts": sha256_file(prompts_path), "model": model, "params": fp_params, "chunk": chunk_prompts})
     store = ChunkStore(out["traces"], fingerprint, ".jsonl")
+    for old in store.dir.glob("replica-*.json"):
+        old.unlink()
     ranges = chunk_ranges(len(records), chunk_prompts)
     todo = todo_chunks(store, ranges)
-    load_s = gen_s = 0.0
-    new_tokens = 0
+    vcfg = params["vllm"]
+    wall = Timer()
     if todo:
-        pids = ProcessRecord(Path(out["traces"]).parents[1] / ".pids", Path(out["traces"]).stem)
         with host_lock(enabled=host_lock_enabled):
-            cleanup_stale_processes(pids.path.parent)
+            cleanup_stale_processes(Path(out["traces"]).parents[1] / ".pids")
             check_gpus_free()
-            load = Timer()
-            llm = build_llm(
-                target,
-                params["vllm"],
-                seed=params["seed"],
-                max_model_len=params["max_seq_len"],
-                trust_remote_code=params["trust_remote_code"],
+            job = {"params": params, "records": records, "ranges": ranges, "traces": out["traces"], "target": target, "model": model}
+            run_replicas(
+                functools.partial(_generation_replica, job),
+                todo,
+                vcfg["data_parallel_size"],
+                vcfg["tensor_parallel_size"] * vcfg["pipeline_parallel_size"],
             )
-            load_s = load.seconds
-            pids.record()
-            tokenizer = load_tokenizer(target, params["trust_remote_code"])
-            engine = engine_identity()
-            gen = Timer()
-            for i in todo:
-                a, b = ranges[i]
-                res = generate_shard(
-                    llm,
-                    tokenizer,
-                    records[a:b],
-                    params["generation"],
-                    max_seq_len=params["max_seq_len"],
-                    seed=params["seed"],
-                    engine=engine,
-                    model=model,
-                    require_traces=False,
-                )
-                new_tokens += res.summary()["completion_tokens"]
-                lines = [{"trace": t} for t in res.traces] + [{"reject": r.as_dict()} for r in res.rejects]
-                with store.writing(i) as tmp, open(tmp, "w", encoding="utf-8") as f:
-                    f.writelines(json.dumps(x, ensure_ascii=False, sort_keys=True) + "\n" for x in lines)
-                logger.info("chunk %d/%d done (prompts %d-%d)", i + 1, len(ranges), a, b - 1)
-            gen_s = gen.seconds
-            shutdown_llm(llm)
-            pids.clear()
+    wall_s = wall.seconds
+    stats = replica_stats(store.dir)
     result = ShardResult()
     for i in range(len(ranges)):
         for x in read_jsonl(store.path(i)):
@@ -352,15 +417,21 @@ def run_generation_shard(
     result.check_usable()
     write_jsonl_atomic(out["rejects"], (r.as_dict() for r in result.rejects))
     write_jsonl_atomic(out["traces"], result.traces)
+    gen_s = stats.get("generate_seconds", 0.0)
     summary = result.summary() | {
         "chunks": len(ranges),
         "chunks_resumed": len(ranges) - len(todo),
-        "model_load_seconds": round(load_s, 3),
+        "data_parallel_size": vcfg["data_parallel_size"],
+        "tensor_parallel_size": vcfg["tensor_parallel_size"],
+        "pipeline_parallel_size": vcfg["pipeline_parallel_size"],
+        "model_load_seconds": round(stats.get("model_load_seconds", 0.0), 3),
         "generate_seconds": round(gen_s, 3),
-        "completion_tokens_per_second": new_tokens / gen_s if gen_s else 0.0,
+        "engine_wall_seconds": round(wall_s, 3) if todo else 0.0,
+        "completion_tokens_per_second": stats.get("completion_tokens", 0) / gen_s if gen_s else 0.0,
+        "replicas": stats.get("replicas", []),
         "traces_sha256": sha256_file(out["traces"]),
     }
     write_json_atomic(out["summary"], summary)
     store.remove()
-    logger.info("generation: %s", summary)
+    logger.info("generation: %s", {k: v for k, v in summary.items() if k != "replicas"})
     return summary

@@ -290,6 +290,39 @@ def read_shard(path: str | os.PathLike) -> tuple[list[Sample], list[torch.Tensor
     return samples, states, r.layer_ids, r.aux_layer_ids
 
 
+def _extraction_replica(job: dict, rank: int, chunks) -> None:
+    """One model replica of an extraction job: extract the chunks it takes from ``chunks``.
+
+    Runs in the job's process (one replica) or in a spawned replica process
+    (:func:`eagle3_pipeline.parallel.run_replicas`); writes each chunk atomically into
+    the job's chunk store and its timing to ``replica-<rank>.json`` there.
+    """
+    from .io import write_json_atomic
+    from .resume import ChunkStore
+    from .runtime import Timer
+
+    cfg, samples, ranges = job["cfg"], job["samples"], job["ranges"]
+    store = ChunkStore.attach(job["out_shard"], ".safetensors")
+    dtype = STORAGE_DTYPES[cfg["storage_dtype"]]
+    load = Timer()
+    model = load_hf_target(job["target"], cfg["device"], job["trust_remote_code"])
+    load_s = load.seconds
+    run = Timer()
+    tokens = done = 0
+    for i in chunks:
+        a, b = ranges[i]
+        states = extract_hf(model, samples[a:b], job["layer_ids"], batch_tokens=cfg["batch_tokens"], storage_dtype=dtype)
+        with store.writing(i) as tmp:
+            write_shard(tmp, samples[a:b], states, layer_ids=job["layer_ids"], aux_layer_ids=job["aux"], index_path=None)
+        tokens += sum(len(s.input_ids) for s in samples[a:b])
+        done += 1
+        logger.info("chunk %d/%d done (samples %d-%d)", i + 1, len(ranges), a, b - 1)
+    write_json_atomic(
+        store.dir / f"replica-{rank}.json",
+        {"rank": rank, "chunks": done, "model_load_seconds": load_s, "extract_seconds": run.seconds, "tokens": tokens},
+    )
+
+
 def run_extraction_shard(
     traces_path: str,
     out_shard: str,
@@ -301,27 +334,33 @@ def run_extraction_shard(
     trust_remote_code: bool,
     host_lock_enabled: bool = True,
 ) -> dict:
-    """The extract_hidden_states job (``hf`` backend): resumable extraction of one trace shard.
+    """The extract_hidden_states job (``hf`` backend): resumable, optionally data-parallel extraction of one trace shard.
 
     Samples (prompt + completion ids of each trace, in trace order) are extracted in
     chunks of ``cfg["chunk_samples"]``; each finished chunk is kept as its own shard file
     (:mod:`eagle3_pipeline.resume`), so a killed job's rerun extracts only the rest; the
-    final shard concatenates the chunks in order and equals an uninterrupted run's. Before
-    loading the model, a disk preflight compares the estimated bytes (tokens × layers ×
-    hidden × dtype bytes) with the free space (``cfg["disk_preflight"]``).
+    final shard concatenates the chunks in order and equals an uninterrupted run's. With
+    ``cfg["data_parallel_size"] = D > 1``, D model replicas, each on
+    ``cfg["gpus_per_replica"]`` GPUs, share the chunks (:mod:`eagle3_pipeline.parallel`).
+    Before loading the model, a disk preflight compares the estimated bytes (tokens ×
+    layers × hidden × dtype bytes) with the free space (``cfg["disk_preflight"]``).
 
     Returns:
         the shard index (also written to ``out_index``), plus timing fields.
 
     Raises:
         InputError: not enough disk space; ValueError: a trace exceeds ``max_seq_len``
-            or has an empty completion; FloatingPointError: NaN/Inf states.
+            or has an empty completion, or fewer GPUs are visible than the replicas need;
+            FloatingPointError: NaN/Inf states; RuntimeError: a replica failed.
     """
+    import functools
+
     from .conventions import resolve_layer_ids
+    from .generation import replica_stats
     from .hygiene import check_disk, check_gpus_free, hidden_state_bytes, host_lock
     from .io import read_jsonl, sha256_file, sha256_json
+    from .parallel import run_replicas
     from .resume import ChunkStore, chunk_ranges, todo_chunks
-    from .runtime import Timer
     from .target_model import model_fingerprint, text_config
 
     tcfg = text_config(target, trust_remote_code)
@@ -336,37 +375,41 @@ def run_extraction_shard(
     params = {k: cfg[k] for k in ("aux_layer_ids", "storage_dtype", "chunk_samples")} | {"max_seq_len": max_seq_len}
     fingerprint = sha256_json({"traces": sha256_file(traces_path), "model": model_fingerprint(target), "params": params})
     store = ChunkStore(out_shard, fingerprint, ".safetensors")
+    for old in store.dir.glob("replica-*.json"):
+        old.unlink()
     ranges = chunk_ranges(len(samples), cfg["chunk_samples"])
     todo = todo_chunks(store, ranges)
-    load_s = run_s = 0.0
-    new_tokens = 0
+    replicas = cfg.get("data_parallel_size") or 1
     if todo:
         with host_lock(enabled=host_lock_enabled):
             check_gpus_free()
-            load = Timer()
-            model = load_hf_target(target, cfg["device"], trust_remote_code)
-            load_s = load.seconds
-            run = Timer()
-            for i in todo:
-                a, b = ranges[i]
-                states = extract_hf(model, samples[a:b], layer_ids, batch_tokens=cfg["batch_tokens"], storage_dtype=dtype)
-                with store.writing(i) as tmp:
-                    write_shard(tmp, samples[a:b], states, layer_ids=layer_ids, aux_layer_ids=aux, index_path=None)
-                new_tokens += sum(len(s.input_ids) for s in samples[a:b])
-                logger.info("chunk %d/%d done (samples %d-%d)", i + 1, len(ranges), a, b - 1)
-            run_s = run.seconds
+            job = {
+                "cfg": cfg,
+                "samples": samples,
+                "ranges": ranges,
+                "out_shard": out_shard,
+                "target": target,
+                "trust_remote_code": trust_remote_code,
+                "layer_ids": layer_ids,
+                "aux": aux,
+            }
+            run_replicas(functools.partial(_extraction_replica, job), todo, replicas, cfg.get("gpus_per_replica") or 1)
+    stats = replica_stats(store.dir)
     all_samples, all_states = [], []
     for i in range(len(ranges)):
         smp, st, _, _ = read_shard(store.path(i))
         all_samples += smp
         all_states += st
     index = write_shard(out_shard, all_samples, all_states, layer_ids=layer_ids, aux_layer_ids=aux, index_path=None)
+    run_s = stats.get("extract_seconds", 0.0)
     index |= {
         "chunks": len(ranges),
         "chunks_resumed": len(ranges) - len(todo),
-        "model_load_seconds": round(load_s, 3),
+        "data_parallel_size": replicas,
+        "model_load_seconds": round(stats.get("model_load_seconds", 0.0), 3),
         "extract_seconds": round(run_s, 3),
-        "tokens_per_second": new_tokens / run_s if run_s else 0.0,
+        "tokens_per_second": stats.get("tokens", 0) / run_s if run_s else 0.0,
+        "replicas": stats.get("replicas", []),
     }
     write_json_atomic(out_index, index)
     store.remove()

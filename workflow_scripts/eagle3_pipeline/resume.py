@@ -53,6 +53,20 @@ class ChunkStore:
             write_text_atomic(stamp, fingerprint + "\n")
         self._written = 0
 
+    @classmethod
+    def attach(cls, final_path: str | os.PathLike, suffix: str) -> ChunkStore:
+        """The store a job already opened, for its data-parallel replica processes.
+
+        Unlike the constructor it neither checks the fingerprint nor removes temporary
+        files (another replica may be writing one).
+        """
+        self = cls.__new__(cls)
+        self.final_path = Path(final_path)
+        self.dir = self.final_path.parent / f".{self.final_path.name}.partial"
+        self.suffix = suffix
+        self._written = 0
+        return self
+
     def path(self, index: int) -> Path:
         """Path of chunk ``index`` (exists only once the chunk is complete)."""
         return self.dir / f"chunk-{index:06d}{self.suffix}"

@@ -43,6 +43,20 @@ def start_log(log_path: str | os.PathLike | None) -> None:
     )
 
 
+def start_replica_log(rank: int) -> None:
+    """Configure :mod:`logging` in a data-parallel replica process (:mod:`eagle3_pipeline.parallel`).
+
+    The replica inherited the job's stdout/stderr (the job log); its lines carry a
+    ``[replica r]`` prefix.
+    """
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s [replica {rank}] %(name)s: %(message)s",
+        force=True,
+    )
+
+
 class _LineWriter:
     """File-like wrapper turning tqdm's carriage-return redraws into whole lines.
 

@@ -12,6 +12,7 @@ accelerator and reads a different on-disk format.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -95,6 +96,94 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
+
+
+class DistContext:
+    """This process's place in a (torchrun) training job.
+
+    Attributes:
+        rank: global rank (0 writes every output).
+        world_size: number of processes (1 without torchrun).
+        device: ``cuda:<local rank>`` on GPUs, ``cpu`` otherwise.
+        parallelism: ``"none"``, ``"ddp"`` or ``"fsdp"``.
+    """
+
+    def __init__(self, rank: int, world_size: int, device: str, parallelism: str):
+        self.rank, self.world_size, self.device, self.parallelism = rank, world_size, device, parallelism
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def all_reduce_sum(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Sum scalar tensors over ranks (one collective); plain floats back."""
+        if not values:
+            return {}
+        keys = list(values)
+        stacked = torch.stack([values[k].detach().float().reshape(()).to(self.device) for k in keys])
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
+        return dict(zip(keys, stacked.tolist(), strict=True))
+
+
+def init_distributed(device_cfg: str, parallelism: str) -> DistContext:
+    """Join the torchrun job this process belongs to (``LOCAL_RANK`` set), else a single-process context.
+
+    NCCL on GPUs (each rank on ``cuda:<LOCAL_RANK>``), gloo on CPU (tests).
+    """
+    if "LOCAL_RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return DistContext(0, 1, resolve_device(device_cfg), "none")
+    import torch.distributed as dist
+
+    local = int(os.environ["LOCAL_RANK"])
+    if resolve_device(device_cfg).startswith("cuda"):
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+        dist.init_process_group("nccl", device_id=torch.device(device))
+    else:
+        device = "cpu"
+        dist.init_process_group("gloo")
+    return DistContext(dist.get_rank(), dist.get_world_size(), device, parallelism)
+
+
+def _wrap(model, ctx: DistContext, param_dtype: torch.dtype):
+    """The model to train: DDP, FSDP (speculators' ``apply_fully_sharded``) or as is."""
+    if ctx.parallelism == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[torch.device(ctx.device)] if ctx.device.startswith("cuda") else None)
+    if ctx.parallelism == "fsdp":
+        from speculators.train.distributed import apply_fully_sharded
+
+        return apply_fully_sharded(model, param_dtype=param_dtype)
+    return model
+
+
+def _full_state(model, optimizers, ctx: DistContext) -> tuple[dict, list[dict]]:
+    """Full (unsharded) model and optimizer state dicts on CPU; a collective under FSDP."""
+    if ctx.parallelism == "fsdp":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(model, options=opts), [get_optimizer_state_dict(model, o, options=opts) for o in optimizers]
+    base = model.module if ctx.parallelism == "ddp" else model
+    return base.state_dict(), [o.state_dict() for o in optimizers]
+
+
+def _load_full_state(model, optimizers, state: dict, ctx: DistContext) -> None:
+    if ctx.parallelism == "fsdp":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+        opts = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, state["model"], options=opts)
+        for o, sd in zip(optimizers, state["optimizers"], strict=True):
+            set_optimizer_state_dict(model, o, sd, options=opts)
+        return
+    (model.module if ctx.parallelism == "ddp" else model).load_state_dict(state["model"])
+    for o, sd in zip(optimizers, state["optimizers"], strict=True):
+        o.load_state_dict(sd)
 
 
 def build_drafter(
@@ -187,10 +276,18 @@ def _loader(dataset: ShardDataset, total_seq_len: int, hidden_size: int, num_aux
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=0)
 
 
-def _step_metrics(metrics: dict) -> dict:
+def _step_metrics(metrics: dict, parts: int = 1) -> dict:
+    """speculators' counted metrics (``*_sum``/``*_total`` pairs) summed over ``parts`` micro-batches, normalised."""
     from speculators.train.utils import normalize_counted_metrics
 
-    return normalize_counted_metrics({k: float(v) for k, v in metrics.items()})
+    return normalize_counted_metrics({k: float(v) for k, v in metrics.items()}, parts)
+
+
+def _barrier(ctx: DistContext) -> None:
+    if ctx.distributed:
+        import torch.distributed as dist
+
+        dist.barrier()
 
 
 def _batch_to(batch: dict, device: str) -> dict:
@@ -304,7 +401,10 @@ def train(
     from transformers import get_scheduler
 
     torch.manual_seed(seed)
-    device = resolve_device(cfg["device"])
+    ctx = init_distributed(cfg["device"], cfg["parallelism"])
+    device = ctx.device
+    world, accum = ctx.world_size, cfg["gradient_accumulation_steps"]
+    per_step = world * accum
     readers = [ShardReader(p) for p in shards]
     layer_ids = readers[0].layer_ids
     for r in readers:
@@ -319,8 +419,8 @@ def train(
     hs_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg["hidden_states_dtype"]]
     autocast = {"bfloat16": torch.bfloat16, "none": None}[cfg["autocast"]]
     total_seq_len = max(cfg["pack_tokens"], max_seq_len)
-    model = build_drafter(target_path, d2t, t2d, aux, {**cfg, "max_seq_len_hint": total_seq_len}, device, trust_remote_code)
-    hidden_size = model.hidden_size
+    base = build_drafter(target_path, d2t, t2d, aux, {**cfg, "max_seq_len_hint": total_seq_len}, device, trust_remote_code)
+    hidden_size = base.hidden_size
 
     train_items, val_items = split_items(readers, cfg["val_fraction"])
     train_ds = ShardDataset(readers, train_items, total_seq_len, hs_dtype)
@@ -328,10 +428,19 @@ def train(
     train_loader = _loader(train_ds, total_seq_len, hidden_size, len(aux), seed)
     val_loader = _loader(val_ds, total_seq_len, hidden_size, len(aux), seed) if val_ds else None
 
-    steps_per_epoch = len(train_loader)
+    # Every rank builds the same pack list (same seed); optimizer step s of an epoch uses
+    # packs [s*W*A, (s+1)*W*A): rank r's micro-batch a is pack s*W*A + a*W + r. So W ranks
+    # x A accumulation steps see exactly the packs of 1 rank x W*A accumulation steps.
+    steps_per_epoch = len(train_loader) // per_step
+    if steps_per_epoch == 0:
+        raise InputError(
+            f"{len(train_loader)} packed batches per epoch are fewer than train_gpus x gradient_accumulation_steps = {per_step}; "
+            "lower them or training.pack_tokens, or add data"
+        )
     total_steps = steps_per_epoch * cfg["epochs"]
     if cfg["max_steps"]:
         total_steps = min(total_steps, cfg["max_steps"])
+    model = _wrap(base, ctx, hs_dtype)
     optimizers = build_optimizers(model, _optimizer_config(cfg))
     warmup = math.ceil(cfg["warmup_fraction"] * total_steps)
     schedulers = [get_scheduler(cfg["scheduler"], opt, num_warmup_steps=warmup, num_training_steps=total_steps) for opt in optimizers]
@@ -346,29 +455,41 @@ def train(
         "ttt_step_loss_decay": cfg["ttt_step_loss_decay"],
         "loss_config": resolve_loss_config(cfg["loss"], loss_impl),
     }
+    eval_model = model.module if ctx.parallelism == "ddp" else model
 
     logger.info(
-        "training: %d train / %d val samples, %d steps (%d/epoch x %d epochs), pack %d tokens, device %s, aux layers %s, draft vocab %d",
+        "training: %d train / %d val samples, %d steps (%d/epoch x %d epochs), pack %d tokens, %d process(es) x %d accumulation "
+        "(%s), device %s, aux layers %s, draft vocab %d",
         len(train_items),
         len(val_items),
         total_steps,
         steps_per_epoch,
         cfg["epochs"],
         total_seq_len,
+        world,
+        accum,
+        ctx.parallelism,
         device,
         aux,
         d2t.shape[0],
     )
+    dropped = len(train_loader) - steps_per_epoch * per_step
+    if dropped:
+        logger.info(
+            "%d of %d packs per epoch do not fill a step of %d packs and are left out (a new draw each epoch)",
+            dropped,
+            len(train_loader),
+            per_step,
+        )
     ckpt = TrainCheckpoint(
-        Path(metrics_path).parent / ".checkpoint", _train_fingerprint(shards, vocab_dir, target_path, cfg, seed, max_seq_len)
+        Path(metrics_path).parent / ".checkpoint",
+        _train_fingerprint(shards, vocab_dir, target_path, {**cfg, "world_size": world}, seed, max_seq_len),
     )
     state = ckpt.load()
     step, tokens_seen, start_epoch, start_batch = 0, 0, 0, 0
     lines: list[dict] = []
     if state is not None:
-        model.load_state_dict(state["model"])
-        for opt, sd in zip(optimizers, state["optimizers"], strict=True):
-            opt.load_state_dict(sd)
+        _load_full_state(model, optimizers, state, ctx)
         for sch, sd in zip(schedulers, state["schedulers"], strict=True):
             sch.load_state_dict(sd)
         torch.set_rng_state(state["rng"])
@@ -398,46 +519,59 @@ def train(
     every = cfg["checkpoint_every_steps"]
 
     def snapshot(epoch: int, batch: int) -> None:
-        ckpt.save(
-            {
-                "model": model.state_dict(),
-                "optimizers": [o.state_dict() for o in optimizers],
-                "schedulers": [s.state_dict() for s in schedulers],
-                "rng": torch.get_rng_state(),
-                "step": step,
-                "tokens_seen": tokens_seen,
-                "epoch": epoch,
-                "batch": batch,
-                "metrics": lines,
-            }
-        )
+        model_sd, opt_sds = _full_state(model, optimizers, ctx)
+        if ctx.rank == 0:
+            ckpt.save(
+                {
+                    "model": model_sd,
+                    "optimizers": opt_sds,
+                    "schedulers": [s.state_dict() for s in schedulers],
+                    "rng": torch.get_rng_state(),
+                    "step": step,
+                    "tokens_seen": tokens_seen,
+                    "epoch": epoch,
+                    "batch": batch,
+                    "metrics": lines,
+                }
+            )
+        _barrier(ctx)
+        _fault_after_step(step)
 
     model.train()
-    bar = progress(total=total_steps, initial=step, desc="train", unit="step")
+    bar = progress(total=total_steps, initial=step, desc="train", unit="step", disable=ctx.rank != 0)
     for epoch in range(start_epoch, cfg["epochs"]):
         if step >= total_steps:
             break
         sampler.set_epoch(epoch)
         batches = list(sampler)
-        for bi, idxs in enumerate(batches):
-            if epoch == start_epoch and bi < start_batch:
+        for si in range(steps_per_epoch):
+            if epoch == start_epoch and si < start_batch:
                 continue  # done before the restart
             if step >= total_steps:
                 break
-            b = _batch_to(collate([train_ds[i] for i in idxs]), device)
-            with torch.autocast(device.split(":")[0], dtype=autocast, enabled=autocast is not None):
-                _, loss, metrics = model(**b, **call_kwargs)
             for opt in optimizers:
                 opt.zero_grad(set_to_none=True)
-            loss.backward()
+            sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=device))
+            for a in range(accum):
+                idxs = batches[si * per_step + a * world + ctx.rank]
+                b = _batch_to(collate([train_ds[i] for i in idxs]), device)
+                sync = contextlib.nullcontext() if ctx.parallelism != "ddp" or a == accum - 1 else model.no_sync()
+                with sync:
+                    with torch.autocast(device.split(":")[0], dtype=autocast, enabled=autocast is not None):
+                        _, loss, metrics = model(**b, **call_kwargs)
+                    (loss / accum).backward()
+                for k, v in metrics.items():
+                    sums[k] = sums[k] + v.detach().float()
+                sums["tokens"] = sums["tokens"] + (b["document_ids"] != -1).sum().float()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             for opt in optimizers:
                 opt.step()
             for sch in schedulers:
                 sch.step()
-            tokens_seen += int((b["document_ids"] != -1).sum())
             step += 1
-            last_train = _step_metrics(metrics)
+            reduced = ctx.all_reduce_sum(sums)
+            tokens_seen += int(reduced.pop("tokens"))
+            last_train = _step_metrics(reduced, per_step)
             if step % cfg["log_every_steps"] == 0 or step == total_steps:
                 lines.append(
                     {
@@ -459,25 +593,26 @@ def train(
                     (tokens_seen - tokens_at_start) / max(timer.seconds, 1e-9),
                 )
             bar.update(1)
-            if every and step % every == 0 and step < total_steps and bi + 1 < len(batches):
-                snapshot(epoch, bi + 1)
-                _fault_after_step(step)
+            if every and step % every == 0 and step < total_steps and si + 1 < steps_per_epoch:
+                snapshot(epoch, si + 1)
         if val_loader is not None:
-            val_metrics = evaluate_offline(model, val_loader, call_kwargs, device, autocast)
+            val_metrics = evaluate_offline(eval_model, val_loader, call_kwargs, device, autocast)
             lines.append({"split": "val", "step": step, "epoch": epoch, **val_metrics})
             logger.info("epoch %d validation: %s", epoch, {k: round(v, 4) for k, v in val_metrics.items()})
         if step < total_steps:
             snapshot(epoch + 1, 0)
-            _fault_after_step(step)
     bar.close()
     train_seconds = timer.seconds
 
     save_dtype = getattr(torch, cfg["save_dtype"])
-    with atomic_dir(out_dir) as tmp:
-        model.save_pretrained(tmp, state_dict=convert_float_dtype(model.state_dict(), save_dtype))
-        patch_config_dtype(tmp / "config.json", save_dtype)
-    write_text_atomic(metrics_path, "".join(json.dumps(x) + "\n" for x in lines))
-    ckpt.remove()
+    model_sd, _ = _full_state(model, [], ctx)
+    if ctx.rank == 0:
+        with atomic_dir(out_dir) as tmp:
+            base.save_pretrained(tmp, state_dict=convert_float_dtype(model_sd, save_dtype))
+            patch_config_dtype(tmp / "config.json", save_dtype)
+        write_text_atomic(metrics_path, "".join(json.dumps(x) + "\n" for x in lines))
+        ckpt.remove()
+    _barrier(ctx)
     return {
         "steps": step,
         "epochs": cfg["epochs"],
@@ -488,9 +623,81 @@ def train(
         "tokens_per_second": (tokens_seen - tokens_at_start) / train_seconds if train_seconds else 0.0,
         "resumed_from_step": state["step"] if state is not None else None,
         "device": device,
+        "world_size": world,
+        "parallelism": ctx.parallelism,
+        "gradient_accumulation_steps": accum,
         "aux_layer_ids": aux,
         "draft_vocab_size": int(d2t.shape[0]),
         "ttt_steps": cfg["ttt_steps"],
         "final_train": last_train,
         "final_val": val_metrics,
     }
+
+
+def run_training(args: dict, num_processes: int) -> dict:
+    """Train in this process (``num_processes`` ≤ 1) or under ``torchrun`` with that many processes.
+
+    ``args`` are :func:`train`'s keyword arguments (JSON-serialisable). With several
+    processes this runs ``python -m torch.distributed.run --standalone --nproc-per-node N
+    -m eagle3_pipeline.training <args.json>``; every rank's output goes to this
+    process's stdout/stderr (the job log), rank 0 writes the outputs and the summary.
+
+    Returns:
+        :func:`train`'s summary.
+
+    Raises:
+        RuntimeError: torchrun exited non-zero (a rank failed; its traceback is in the log).
+    """
+    if num_processes <= 1:
+        return train(**args)
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="eagle3-train-") as tmp:
+        args_path = Path(tmp) / "args.json"
+        summary_path = Path(tmp) / "summary.json"
+        args_path.write_text(json.dumps({"args": args, "summary": str(summary_path)}))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={num_processes}",
+            "-m",
+            "eagle3_pipeline.training",
+            str(args_path),
+        ]
+        logger.info("starting %d training processes: %s", num_processes, " ".join(cmd))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        rc = subprocess.call(cmd, env=env)
+        if rc != 0:
+            raise RuntimeError(f"distributed training failed (torchrun exit code {rc}); the failing rank's traceback is above")
+        return json.loads(summary_path.read_text())
+
+
+def _torchrun_main(args_path: str) -> None:
+    """Entry point of each torchrun process (see :func:`run_training`)."""
+    from .runtime import start_log
+
+    start_log(None)
+    spec = json.loads(Path(args_path).read_text())
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:
+        logging.getLogger().setLevel(logging.WARNING)
+    summary = train(**spec["args"])
+    if rank == 0:
+        write_text_atomic(spec["summary"], json.dumps(summary))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import sys
+
+    _torchrun_main(sys.argv[1])

@@ -1,0 +1,183 @@
+"""Data-parallel replicas inside one full-model job, and multi-process (DDP/FSDP) training."""
+
+import functools
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3_pipeline.config import validate_config
+from eagle3_pipeline.conventions import loss_mask
+from eagle3_pipeline.hidden_states import Sample, read_shard, run_extraction_shard, write_shard
+from eagle3_pipeline.io import save_npy_atomic
+from eagle3_pipeline.parallel import replica_devices, run_replicas, visible_gpus
+from eagle3_pipeline.training import run_training
+from eagle3_pipeline.vocab import build_mapping
+
+
+def test_replicas_get_consecutive_gpu_slices():
+    assert replica_devices(2, 1, ["0", "1"]) == ["0", "1"]
+    assert replica_devices(2, 2, ["0", "1", "2", "3"]) == ["0,1", "2,3"]
+    assert replica_devices(2, 2, ["4", "5", "6", "7", "0"]) == ["4,5", "6,7"]
+    assert replica_devices(3, 1, []) == [None, None, None]  # CPU: no restriction
+    with pytest.raises(ValueError, match=r"needs 4 GPUs, but this job sees 2 \(0,1\)"):
+        replica_devices(2, 2, ["0", "1"])
+
+
+def test_visible_gpus_honours_cuda_visible_devices(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert visible_gpus() == ["3", "5"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert visible_gpus() == []
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-a)'\necho 'GPU 1: NVIDIA H200 (UUID: GPU-b)'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert visible_gpus() == ["0", "1"]
+
+
+def _record_items(out_dir: str, fail_on: int | None, rank: int, items) -> None:
+    for item in items:
+        if item == fail_on:
+            raise SystemExit(3)
+        Path(out_dir, f"item-{item}").write_text(f"{rank} {os.getpid()}")
+
+
+def test_replicas_share_items_exactly_once(tmp_path):
+    run_replicas(functools.partial(_record_items, str(tmp_path), None), list(range(10)), 2, 1)
+    done = {int(p.name[5:]): p.read_text().split() for p in tmp_path.glob("item-*")}
+    assert sorted(done) == list(range(10))
+    assert {pid for _, pid in done.values()} <= {pid for _, pid in done.values()} and str(os.getpid()) not in {
+        pid for _, pid in done.values()
+    }  # done in replica processes, not here
+
+
+def test_a_failed_replica_is_an_error_naming_it(tmp_path):
+    with pytest.raises(RuntimeError, match=r"data-parallel replica \d failed \(exit code 3\)"):
+        run_replicas(functools.partial(_record_items, str(tmp_path), 0), [0], 2, 1)
+
+
+def test_one_replica_runs_in_process(tmp_path):
+    run_replicas(functools.partial(_record_items, str(tmp_path), None), [0, 1], 1, 1)
+    assert {p.read_text().split()[1] for p in tmp_path.glob("item-*")} == {str(os.getpid())}
+
+
+def _traces(path: Path, n: int) -> None:
+    rng = np.random.default_rng(1)
+    with open(path, "w") as f:
+        for i in range(n):
+            p, c = rng.integers(1, 49152, size=int(rng.integers(8, 30))), rng.integers(1, 49152, size=int(rng.integers(8, 40)))
+            f.write(json.dumps({"id": f"{i:016x}", "prompt_token_ids": p.tolist(), "completion_token_ids": c.tolist()}) + "\n")
+
+
+def test_data_parallel_extraction_equals_one_replica(tmp_path, target_dir):
+    """Two CPU replicas sharing the chunks write the same shard, bit for bit, as one."""
+    _traces(tmp_path / "traces.jsonl", 10)
+    cfg = validate_config({"extraction": {"chunk_samples": 3, "device": "cpu"}})["extraction"]
+    out = {}
+    for dp in (1, 2):
+        shard, index = tmp_path / f"dp{dp}.safetensors", tmp_path / f"dp{dp}.index.json"
+        out[dp] = run_extraction_shard(
+            str(tmp_path / "traces.jsonl"),
+            str(shard),
+            str(index),
+            str(target_dir),
+            {**cfg, "data_parallel_size": dp, "gpus_per_replica": 1},
+            max_seq_len=256,
+            trust_remote_code=False,
+        )
+    assert out[2]["data_parallel_size"] == 2 and len(out[2]["replicas"]) == 2
+    assert sum(r["chunks"] for r in out[2]["replicas"]) == 4  # 10 samples / 3 per chunk
+    assert out[1]["sha256"] == out[2]["sha256"]
+    s1, h1, *_ = read_shard(tmp_path / "dp1.safetensors")
+    s2, h2, *_ = read_shard(tmp_path / "dp2.safetensors")
+    assert [s.id for s in s1] == [s.id for s in s2] == [f"{i:016x}" for i in range(10)]
+    assert all(torch.equal(a, b) for a, b in zip(h1, h2, strict=True))
+
+
+@pytest.fixture(scope="module")
+def train_inputs(tmp_path_factory, target_dir):
+    d = tmp_path_factory.mktemp("ddp")
+    rng = np.random.default_rng(0)
+    samples, states = [], []
+    for i in range(16):
+        n_p, n_c = int(rng.integers(10, 40)), int(rng.integers(20, 60))
+        samples.append(Sample(f"{i:016x}", rng.integers(0, 600, size=n_p + n_c), loss_mask(n_p, n_c)))
+        states.append(torch.randn(n_p + n_c, 4, 576, dtype=torch.bfloat16))
+    write_shard(d / "shard.safetensors", samples, states, layer_ids=[2, 15, 27, 30], aux_layer_ids=[2, 15, 27], index_path=None)
+    counts = np.zeros(49152, dtype=np.int64)
+    counts[:600] = 1
+    d2t, t2d = build_mapping(counts, 512)
+    save_npy_atomic(d / "vocab" / "d2t.npy", d2t)
+    save_npy_atomic(d / "vocab" / "t2d.npy", t2d)
+    return d
+
+
+def _run(d: Path, name: str, target: Path, processes: int, accum: int, parallelism: str = "ddp") -> tuple[dict, dict]:
+    cfg = validate_config(
+        {
+            "training": {
+                "epochs": 1,
+                "pack_tokens": 128,
+                "val_fraction": 0.0,
+                "log_every_steps": 1,
+                "optimizer": "adamw",
+                "autocast": "none",
+                "hidden_states_dtype": "float32",
+                "device": "cpu",
+                "gradient_accumulation_steps": accum,
+                "parallelism": parallelism,
+            }
+        }
+    )["training"]
+    summary = run_training(
+        {
+            "shards": [str(d / "shard.safetensors")],
+            "vocab_dir": str(d / "vocab"),
+            "target_path": str(target),
+            "out_dir": str(d / name / "drafter"),
+            "metrics_path": str(d / name / "metrics.jsonl"),
+            "cfg": cfg,
+            "seed": 0,
+            "max_seq_len": 128,
+        },
+        processes,
+    )
+    return summary, load_file(str(d / name / "drafter" / "model.safetensors"))
+
+
+def test_two_process_ddp_equals_one_process_with_accumulation(train_inputs, target_dir):
+    """2 ranks x 1 pack per step see exactly the packs of 1 rank x 2 accumulated packs.
+
+    Tolerance: fp32 (no autocast, fp32 hidden states, AdamW); gradients are averaged by an
+    all-reduce instead of accumulated in one process, which reorders float additions:
+    differences stay at float32 rounding (~1e-6 relative), far below one AdamW step (lr 1e-3).
+    Saved weights are bf16, so they must agree to within one bf16 ulp.
+    """
+    s1, w1 = _run(train_inputs, "one", target_dir, 1, 2)
+    s2, w2 = _run(train_inputs, "ddp", target_dir, 2, 1)
+    assert s2["world_size"] == 2 and s2["parallelism"] == "ddp" and s1["world_size"] == 1
+    assert s1["steps"] == s2["steps"] >= 3
+    assert s1["tokens_seen"] == s2["tokens_seen"]
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        torch.testing.assert_close(w1[k].float(), w2[k].float(), rtol=8e-3, atol=1e-5, msg=k)
+    # The comparison can fail: 1 rank without accumulation (other packs per step) ends elsewhere.
+    _, w3 = _run(train_inputs, "one-noaccum", target_dir, 1, 1)
+    far = [k for k in w1 if not torch.allclose(w1[k].float(), w3[k].float(), rtol=8e-3, atol=1e-5)]
+    assert "layers.0.self_attn.q_proj.weight" in far
+    m1 = [json.loads(x) for x in (train_inputs / "one" / "metrics.jsonl").read_text().splitlines()]
+    m2 = [json.loads(x) for x in (train_inputs / "ddp" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in m1] == [x["step"] for x in m2]
+    for x, y in zip(m1, m2, strict=True):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-4)
+
+
+def test_too_few_packs_for_the_processes_is_a_clear_error(train_inputs, target_dir):
+    with pytest.raises(Exception, match="fewer than train_gpus x gradient_accumulation_steps"):
+        _run(train_inputs, "many", target_dir, 1, 10_000)

@@ -1,0 +1,147 @@
+"""Data parallelism inside one full-model job: independent replicas of the target.
+
+vLLM has no offline data parallelism for dense models (``LLM(data_parallel_size>1)``
+raises; its ``data_parallel_offline`` example starts one process per replica). A
+generation or extraction job with ``data_parallel_size = D`` does the same: it starts
+D replica processes (``multiprocessing`` spawn), gives replica ``r`` its own slice of
+the job's GPUs through ``CUDA_VISIBLE_DEVICES`` (GPUs ``r*g .. r*g+g-1`` of the visible
+ones, ``g`` = GPUs per replica, i.e. tensor × pipeline parallel size), and lets them
+take the job's resumable chunks (:mod:`eagle3_pipeline.resume`) from one queue, so a
+fast replica takes more chunks. Each chunk is written atomically by whichever replica
+did it; the job assembles the final output in chunk order, so the result does not
+depend on D (for deterministic decoding) and a killed job resumes with any D.
+
+Across nodes, data parallelism is Snakemake's: ``prompts.num_shards = K`` gives K
+independent jobs, each its own model load, which a cluster runs on K nodes at once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Callable, Iterator, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this job may use: ``CUDA_VISIBLE_DEVICES`` entries, else every GPU ``nvidia-smi -L`` lists.
+
+    Returns an empty list on a machine without NVIDIA GPUs. Does not initialise CUDA
+    (replica processes must be free to choose their devices).
+    """
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d.strip() for d in env.split(",") if d.strip() and d.strip() != "-1"]
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    q = subprocess.run([smi, "-L"], capture_output=True, text=True)
+    if q.returncode != 0:
+        return []
+    return [str(i) for i, line in enumerate(q.stdout.splitlines()) if line.startswith("GPU ")]
+
+
+def replica_devices(num_replicas: int, gpus_per_replica: int, visible: Sequence[str]) -> list[str | None]:
+    """``CUDA_VISIBLE_DEVICES`` of each replica: consecutive slices of ``visible``.
+
+    Args:
+        num_replicas: data-parallel size D (≥ 1).
+        gpus_per_replica: GPUs of one replica g (tensor × pipeline parallel size).
+        visible: the job's GPUs (:func:`visible_gpus`); empty on a CPU machine, where
+            every replica gets ``None`` (no device restriction).
+
+    Raises:
+        ValueError: fewer than ``D × g`` GPUs are visible.
+    """
+    if not visible:
+        return [None] * num_replicas
+    need = num_replicas * gpus_per_replica
+    if need > len(visible):
+        raise ValueError(
+            f"data_parallel_size {num_replicas} x {gpus_per_replica} GPU(s) per replica needs {need} GPUs, "
+            f"but this job sees {len(visible)} ({','.join(visible)}); lower the parallel sizes or give the job more GPUs"
+        )
+    return [",".join(visible[r * gpus_per_replica : (r + 1) * gpus_per_replica]) for r in range(num_replicas)]
+
+
+def _die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):  # not Linux
+        pass
+
+
+def _queue_iter(queue) -> Iterator[int]:
+    while (item := queue.get()) is not None:
+        yield item
+
+
+def _replica_main(worker: Callable, rank: int, devices: str | None, queue) -> None:
+    _die_with_parent()
+    if devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices
+    from .runtime import start_replica_log
+
+    start_replica_log(rank)
+    worker(rank, _queue_iter(queue))
+
+
+def run_replicas(worker: Callable[[int, Iterator[int]], None], items: Sequence[int], num_replicas: int, gpus_per_replica: int) -> None:
+    """Run ``worker(rank, items_iterator)`` on ``num_replicas`` replicas sharing ``items``.
+
+    With one replica the worker runs in this process (no spawn). Otherwise each replica
+    is a spawned process (``worker`` must be picklable: a module-level function or a
+    ``functools.partial`` of one) that dies with this process, and pulls items from a
+    shared queue until it is empty; replicas never take the same item. Replicas log to
+    this process's stderr (the job log) with a ``[replica r]`` prefix.
+
+    Raises:
+        ValueError: not enough GPUs for the replicas (:func:`replica_devices`).
+        RuntimeError: a replica failed (its exit code named); the others are stopped.
+            Items it finished are kept by the caller's chunk store.
+    """
+    if num_replicas == 1:
+        worker(0, iter(items))
+        return
+    devices = replica_devices(num_replicas, gpus_per_replica, visible_gpus())
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    for item in items:
+        queue.put(item)
+    for _ in range(num_replicas):
+        queue.put(None)
+    procs = [ctx.Process(target=_replica_main, args=(worker, r, devices[r], queue), name=f"replica-{r}") for r in range(num_replicas)]
+    for r, p in enumerate(procs):
+        p.start()
+        logger.info("replica %d: pid %d, CUDA_VISIBLE_DEVICES=%s", r, p.pid, devices[r] if devices[r] is not None else "(cpu)")
+    failed: list[tuple[int, int]] = []
+    try:
+        pending = set(range(num_replicas))
+        while pending:
+            for r in sorted(pending):
+                procs[r].join(timeout=1.0)
+                if procs[r].exitcode is not None:
+                    pending.discard(r)
+                    if procs[r].exitcode != 0:
+                        failed.append((r, procs[r].exitcode))
+            if failed:
+                break
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    if failed:
+        r, code = failed[0]
+        raise RuntimeError(f"data-parallel replica {r} failed (exit code {code}); its log lines above say why; finished chunks are kept")
