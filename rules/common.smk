@@ -20,10 +20,10 @@ from eagle3_pipeline.target_model import (
 )
 
 # A boolean nested in a --config mapping (profiles/slurm's `resources: {host_lock: false}`)
-# arrives as the string "False"/"false": Snakemake reads --config values with YAML's BaseLoader.
-_host_lock = config.get("resources", {}).get("host_lock")
-if isinstance(_host_lock, str) and _host_lock.lower() in ("true", "false"):
-    config["resources"]["host_lock"] = _host_lock.lower() == "true"
+# arrives as a string (False or false): Snakemake reads --config values with YAML's BaseLoader.
+_res = config.get("resources")
+if isinstance(_res, dict) and str(_res.get("host_lock")).lower() in ("true", "false"):
+    _res["host_lock"] = str(_res["host_lock"]).lower() == "true"
 
 try:
     _validated = validate_config(config)
@@ -33,7 +33,7 @@ config.clear()
 config.update(_validated)
 
 # Full-model stages (generation, extraction, evaluation) each declare full_model=1, so
-# at most one runs at a time whatever --resources/--cores the user passes.
+# at most one runs at a time unless --resources sets full_model itself (profiles/slurm).
 workflow.global_resources.setdefault("full_model", 1)
 
 RUN = config["run"]

@@ -1,4 +1,5 @@
-"""Shared fixtures: the real embedded target, materialized once per test session."""
+"""Shared fixtures: the real embedded target, materialized once per test session, and one local
+end-to-end run of the reduced config (test_e2e.py checks it, test_slurm.py compares with it)."""
 
 import os
 import sys
@@ -27,3 +28,15 @@ def tokenizer(target_dir):
     from eagle3_pipeline.target_model import load_tokenizer
 
     return load_tokenizer(target_dir)
+
+
+@pytest.fixture(scope="session")
+def e2e_run(tmp_path_factory):
+    """The workflow run locally on the reduced config (e2e_support.SMALL): (workdir, config file, results)."""
+    from e2e_support import make_workdir, run_api
+
+    wd = tmp_path_factory.mktemp("wd")
+    cfg = make_workdir(wd)
+    # another --resources flag must not lift the full-model lock
+    run_api(wd, cfg, cores=4, resources={"mem_gb": 100})
+    return wd, cfg, wd / "results" / "e2e"

@@ -16,35 +16,12 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from e2e_support import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.e2e
 
-SMALL = {
-    "run": "e2e",
-    "prompts": {"max_prompts": 12, "num_shards": 2},
-    "generation": {"max_tokens": 40},
-    "vllm": {"cpu_kvcache_space_gib": 2},
-    "vocab": {"draft_vocab_size": 2048},
-    "extraction": {"batch_tokens": 1},
-    "training": {"epochs": 2, "pack_tokens": 1024, "val_fraction": 0.2, "log_every_steps": 1},
-    "evaluation": {"max_prompts": 4, "max_tokens": 32},
-}
 FULL_MODEL_RULES = {"generate_traces", "extract_hidden_states", "evaluate_drafter"}
-
-
-def run_api(workdir: Path, configfile: Path, cores: int = 4, resources: dict | None = None) -> None:
-    from snakemake.api import SnakemakeApi
-    from snakemake.settings.types import ConfigSettings, DAGSettings, ExecutionSettings, OutputSettings, ResourceSettings
-
-    with SnakemakeApi(OutputSettings(show_failed_logs=True)) as api:
-        wf = api.workflow(
-            resource_settings=ResourceSettings(cores=cores, resources=resources or {}),
-            config_settings=ConfigSettings(configfiles=[configfile]),
-            snakefile=ROOT / "Snakefile",
-            workdir=workdir,
-        )
-        wf.dag(DAGSettings()).execute_workflow(executor="local", execution_settings=ExecutionSettings(latency_wait=5))
 
 
 def dry_run_jobs(workdir: Path, configfile: Path) -> Counter:
@@ -82,14 +59,8 @@ def dry_run_jobs(workdir: Path, configfile: Path) -> Counter:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    wd = tmp_path_factory.mktemp("wd")
-    (wd / "config").symlink_to(ROOT / "config")
-    cfg = wd / "small.yaml"
-    cfg.write_text(yaml.safe_dump(SMALL))
-    # another --resources flag must not lift the full-model lock
-    run_api(wd, cfg, cores=4, resources={"mem_gb": 100})
-    return wd, cfg, wd / "results" / "e2e"
+def run(e2e_run):
+    return e2e_run
 
 
 def read_jsonl(path):

@@ -1,0 +1,43 @@
+"""The reduced end-to-end configuration and runner shared by test_e2e.py and test_slurm.py."""
+
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The embedded default, reduced: 12 prompts in 2 shards, 40-token answers.
+SMALL = {
+    "run": "e2e",
+    "prompts": {"max_prompts": 12, "num_shards": 2},
+    "generation": {"max_tokens": 40},
+    "vllm": {"cpu_kvcache_space_gib": 2},
+    "vocab": {"draft_vocab_size": 2048},
+    "extraction": {"batch_tokens": 1},
+    "training": {"epochs": 2, "pack_tokens": 1024, "val_fraction": 0.2, "log_every_steps": 1},
+    "evaluation": {"max_prompts": 4, "max_tokens": 32},
+}
+
+
+def make_workdir(wd: Path, config: dict = SMALL) -> Path:
+    """Prepare ``wd`` as a run directory (the repository's config/ linked in); return its config file."""
+    wd.mkdir(parents=True, exist_ok=True)
+    (wd / "config").symlink_to(ROOT / "config")
+    cfg = wd / "small.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    return cfg
+
+
+def run_api(workdir: Path, configfile: Path, cores: int = 4, resources: dict | None = None) -> None:
+    """Run the workflow locally through snakemake.api (raises on a failed job)."""
+    from snakemake.api import SnakemakeApi
+    from snakemake.settings.types import ConfigSettings, DAGSettings, ExecutionSettings, OutputSettings, ResourceSettings
+
+    with SnakemakeApi(OutputSettings(show_failed_logs=True)) as api:
+        wf = api.workflow(
+            resource_settings=ResourceSettings(cores=cores, resources=resources or {}),
+            config_settings=ConfigSettings(configfiles=[configfile]),
+            snakefile=ROOT / "Snakefile",
+            workdir=workdir,
+        )
+        wf.dag(DAGSettings()).execute_workflow(executor="local", execution_settings=ExecutionSettings(latency_wait=5))
