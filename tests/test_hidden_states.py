@@ -1,5 +1,8 @@
 """Hidden-state extraction on the real SmolLM2 target against independent transformers forwards."""
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -103,3 +106,31 @@ def test_sample_from_trace_limits():
         sample_from_trace(t, 4)
     with pytest.raises(ValueError, match="trace x: empty completion"):
         sample_from_trace({**t, "completion_token_ids": []}, 5)
+
+
+def test_equal_shards_have_equal_bytes_across_processes(tmp_path):
+    """safetensors keeps string metadata in a hash map whose order varies by process;
+    the shard's single metadata key makes equal content give an equal file (SHA-256)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import sys
+        import numpy as np, torch
+        from eagle3_pipeline.hidden_states import Sample, write_shard
+        s = [Sample("a", np.arange(5, dtype=np.int64), np.array([0, 0, 1, 1, 1], dtype=bool))]
+        h = [torch.arange(5 * 2 * 3, dtype=torch.float32).reshape(5, 2, 3).to(torch.bfloat16)]
+        idx = write_shard(sys.argv[1], s, h, layer_ids=[1, 4], aux_layer_ids=[1], index_path=None)
+        print(idx["sha256"])
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "workflow_scripts")}
+    shas = {
+        subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path / f"s{i}.safetensors")], env=env, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        for i in range(4)
+    }
+    assert len(shas) == 1

@@ -59,7 +59,7 @@ def test_replicas_share_items_exactly_once(tmp_path):
 
 def test_a_failed_replica_is_an_error_naming_it(tmp_path):
     with pytest.raises(RuntimeError, match=r"data-parallel replica \d failed \(exit code 3\)"):
-        run_replicas(functools.partial(_record_items, str(tmp_path), 0), [0], 2, 1)
+        run_replicas(functools.partial(_record_items, str(tmp_path), 0), [0, 1], 2, 1)
 
 
 def test_one_replica_runs_in_process(tmp_path):
@@ -181,3 +181,33 @@ def test_two_process_ddp_equals_one_process_with_accumulation(train_inputs, targ
 def test_too_few_packs_for_the_processes_is_a_clear_error(train_inputs, target_dir):
     with pytest.raises(Exception, match="fewer than train_gpus x gradient_accumulation_steps"):
         _run(train_inputs, "many", target_dir, 1, 10_000)
+
+
+@pytest.mark.e2e
+def test_data_parallel_generation_equals_one_engine(tmp_path, target_dir):
+    """Two vLLM engine replicas (CPU) sharing the chunks write the traces one engine writes (greedy)."""
+    from eagle3_pipeline.generation import run_generation_shard
+    from eagle3_pipeline.io import read_jsonl
+    from eagle3_pipeline.prompts import build_prompt_set
+
+    records = build_prompt_set([{"type": "builtin_sharegpt"}], turns="first", max_prompts=6).records
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = validate_config({"generation": {"max_tokens": 12, "temperature": 0.0}, "vllm": {"cpu_kvcache_space_gib": 1}})
+    traces = {}
+    for dp in (1, 2):
+        out = {k: str(tmp_path / f"dp{dp}.{k}.jsonl") for k in ("traces", "rejects", "summary")}
+        params = {
+            "generation": cfg["generation"],
+            "vllm": {**cfg["vllm"], "data_parallel_size": dp},
+            "seed": 0,
+            "max_seq_len": 2048,
+            "trust_remote_code": False,
+        }
+        summary = run_generation_shard(str(prompts), out, str(target_dir), params, chunk_prompts=3)
+        assert summary["data_parallel_size"] == dp and len(summary["replicas"]) == dp
+        traces[dp] = list(read_jsonl(out["traces"]))
+    assert sum(r["chunks"] for r in summary["replicas"]) == 2 and all(r["chunks"] == 1 for r in summary["replicas"])
+    assert [t["id"] for t in traces[1]] == [t["id"] for t in traces[2]] == sorted(r["id"] for r in records)
+    for a, b in zip(traces[1], traces[2], strict=True):
+        assert a["completion_token_ids"] == b["completion_token_ids"] and len(a["completion_token_ids"]) > 0

@@ -15,8 +15,11 @@ tensor             dtype, shape                meaning
 ``layer_ids`` is ``aux_layer_ids + [n]`` (see :mod:`eagle3_pipeline.conventions`): the
 first ``L - 1`` are the drafter's aux inputs, the last is the final layer before the
 norm. ``T`` is the total token count of the shard, ``H`` the target's hidden size. The
-file's string metadata and a sidecar ``shard-NNNNN.index.json`` carry the sample ids,
-offsets, layer ids and the file's SHA-256.
+file's string metadata (one key, ``eagle3_pipeline``, holding a sorted-key JSON object
+with ``format``, ``layer_ids``, ``aux_layer_ids`` and ``sample_ids``: safetensors keeps
+metadata in a hash map, whose key order, and so the file's bytes, would otherwise vary
+from process to process) and a sidecar ``shard-NNNNN.index.json`` carry the sample
+ids, offsets, layer ids and the file's SHA-256. Equal content gives equal bytes.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from .runtime import progress
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "eagle3-pipeline/hidden-states/v1"
+FORMAT = "eagle3-pipeline/hidden-states/v2"
+META_KEY = "eagle3_pipeline"
 STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -213,10 +217,10 @@ def write_shard(
     }
     hs = tensors["hidden_states"]
     meta = {
-        "format": FORMAT,
-        "layer_ids": json.dumps(list(layer_ids)),
-        "aux_layer_ids": json.dumps(list(aux_layer_ids)),
-        "sample_ids": json.dumps([s.id for s in samples]),
+        META_KEY: json.dumps(
+            {"format": FORMAT, "layer_ids": list(layer_ids), "aux_layer_ids": list(aux_layer_ids), "sample_ids": [s.id for s in samples]},
+            sort_keys=True,
+        )
     }
     with atomic_path(path, suffix=".safetensors") as tmp:
         save_file(tensors, str(tmp), metadata=meta)
@@ -247,12 +251,14 @@ class ShardReader:
 
         self.path = Path(path)
         self._f = safe_open(str(path), framework="pt")
-        meta = self._f.metadata() or {}
+        raw = self._f.metadata() or {}
+        meta = json.loads(raw[META_KEY]) if META_KEY in raw else {}
         if meta.get("format") != FORMAT:
-            raise ValueError(f"{path}: not an eagle3-pipeline hidden-state shard (format={meta.get('format')!r})")
-        self.layer_ids: list[int] = json.loads(meta["layer_ids"])
-        self.aux_layer_ids: list[int] = json.loads(meta["aux_layer_ids"])
-        self.sample_ids: list[str] = json.loads(meta["sample_ids"])
+            found = meta.get("format") or raw.get("format")
+            raise ValueError(f"{path}: not an eagle3-pipeline {FORMAT} hidden-state shard (format={found!r}); re-extract it")
+        self.layer_ids: list[int] = meta["layer_ids"]
+        self.aux_layer_ids: list[int] = meta["aux_layer_ids"]
+        self.sample_ids: list[str] = meta["sample_ids"]
         self.offsets = self._f.get_tensor("offsets")
         self.input_ids = self._f.get_tensor("input_ids")
         self.loss_mask = self._f.get_tensor("loss_mask")

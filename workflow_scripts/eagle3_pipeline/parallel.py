@@ -108,6 +108,9 @@ def run_replicas(worker: Callable[[int, Iterator[int]], None], items: Sequence[i
         RuntimeError: a replica failed (its exit code named); the others are stopped.
             Items it finished are kept by the caller's chunk store.
     """
+    if len(items) < num_replicas:
+        logger.info("%d chunk(s) to do: starting %d of %d replicas", len(items), max(len(items), 1), num_replicas)
+        num_replicas = max(len(items), 1)
     if num_replicas == 1:
         worker(0, iter(items))
         return

@@ -510,6 +510,10 @@ def train(
         )
     tokens_at_start = tokens_seen
     timer = Timer()
+    # Steady-state rate: from the end of the first 10% of this run's steps (compilation of
+    # the attention kernels and first allocations happen there) to the end.
+    warm_step = step + max(1, (total_steps - step) // 10)
+    warm_mark: tuple[float, int] | None = None
     last_train: dict = next((x for x in reversed(lines) if x["split"] == "train"), {})
     val_metrics: dict = next((x for x in reversed(lines) if x["split"] == "val"), {})
     last_train = {k: v for k, v in last_train.items() if k not in ("split", "step", "epoch", "tokens", "seconds", "lr")}
@@ -593,6 +597,8 @@ def train(
                     (tokens_seen - tokens_at_start) / max(timer.seconds, 1e-9),
                 )
             bar.update(1)
+            if step == warm_step:
+                warm_mark = (timer.seconds, tokens_seen)
             if every and step % every == 0 and step < total_steps and si + 1 < steps_per_epoch:
                 snapshot(epoch, si + 1)
         if val_loader is not None:
@@ -621,6 +627,10 @@ def train(
         "tokens_seen": tokens_seen,
         "seconds": round(train_seconds, 3),
         "tokens_per_second": (tokens_seen - tokens_at_start) / train_seconds if train_seconds else 0.0,
+        "warmup_seconds": round(warm_mark[0], 3) if warm_mark else None,
+        "steady_tokens_per_second": (tokens_seen - warm_mark[1]) / (train_seconds - warm_mark[0])
+        if warm_mark and train_seconds > warm_mark[0] and tokens_seen > warm_mark[1]
+        else None,
         "resumed_from_step": state["step"] if state is not None else None,
         "device": device,
         "world_size": world,
