@@ -1,6 +1,7 @@
 """DAG-level checks through the snakemake CLI (dry-runs only: seconds)."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,9 +49,9 @@ def test_kimi_example_dry_runs_with_tp8_full_model_jobs(tmp_path):
     assert "prepare_target_model" not in out  # a user target is not materialized
     for rule in ("prepare_prompts", "generate_traces", "build_vocab_mapping", "extract_hidden_states", "train_drafter", "evaluate_drafter"):
         assert rule in out
-    blocks = out.split("\n\n")
+    blocks = re.split(r"^\[.*\d{4}\]$", out, flags=re.M)  # one block per job, after its timestamp line
     gen = next(b for b in blocks if "rule generate_traces:" in b)
-    assert "gpu=8" in gen and "full_model=1" in gen
+    assert "gpu=8" in gen and "full_model=1" in gen and "rule extract_hidden_states:" not in gen
 
 
 def test_typo_in_config_is_a_clear_error(tmp_path):
@@ -117,3 +118,27 @@ def test_full_model_lock_survives_other_resources(tmp_path):
         assert workflow.global_resources["mem_gb"] == 64
         for name in ("generate_traces", "extract_hidden_states", "evaluate_drafter"):
             assert workflow.get_rule(name).resources["full_model"] == 1
+
+
+def test_two_gpu_example_gives_each_job_the_gpus_it_uses(tmp_path):
+    """Data parallel 2 (generation, extraction), 1 engine for evaluation, DDP on 2 GPUs; one job per shard."""
+    r = snakemake(
+        "-n",
+        "--cores",
+        "32",
+        "--configfile",
+        "config/examples/smollm2-2gpu.yaml",
+        "-d",
+        str(tmp_path / "wd"),
+        "-s",
+        str(ROOT / "Snakefile"),
+    )
+    assert r.returncode == 0, r.stderr + r.stdout
+    blocks = re.split(r"^\[.*\d{4}\]$", r.stdout, flags=re.M)  # one block per job, after its timestamp line
+
+    def jobs(rule):
+        return [b for b in blocks if f"rule {rule}:" in b]
+
+    assert len(jobs("generate_traces")) == len(jobs("extract_hidden_states")) == 4
+    assert all("gpu=2" in b and "full_model=1" in b for b in jobs("generate_traces") + jobs("extract_hidden_states"))
+    assert "gpu=1" in jobs("evaluate_drafter")[0] and "gpu=2" in jobs("train_drafter")[0]
