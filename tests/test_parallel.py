@@ -118,7 +118,9 @@ def train_inputs(tmp_path_factory, target_dir):
     return d
 
 
-def _run(d: Path, name: str, target: Path, processes: int, accum: int, parallelism: str = "ddp") -> tuple[dict, dict]:
+def _run(
+    d: Path, name: str, target: Path, processes: int, accum: int, parallelism: str = "ddp", checkpoint_every_steps: int = 50
+) -> tuple[dict, dict]:
     cfg = validate_config(
         {
             "training": {
@@ -132,6 +134,7 @@ def _run(d: Path, name: str, target: Path, processes: int, accum: int, paralleli
                 "device": "cpu",
                 "gradient_accumulation_steps": accum,
                 "parallelism": parallelism,
+                "checkpoint_every_steps": checkpoint_every_steps,
             }
         }
     )["training"]
@@ -211,3 +214,29 @@ def test_data_parallel_generation_equals_one_engine(tmp_path, target_dir):
     assert [t["id"] for t in traces[1]] == [t["id"] for t in traces[2]] == sorted(r["id"] for r in records)
     for a, b in zip(traces[1], traces[2], strict=True):
         assert a["completion_token_ids"] == b["completion_token_ids"] and len(a["completion_token_ids"]) > 0
+
+
+def test_killed_ddp_training_resumes_to_the_same_weights(train_inputs, target_dir, monkeypatch):
+    """Both ranks die after the checkpoint of step 2 (torchrun reports it); the rerun continues there."""
+    ref = train_inputs / "ddp" / "drafter" / "model.safetensors"
+    if not ref.is_file():
+        _run(train_inputs, "ddp", target_dir, 2, 1)
+    _, want = _run_ckpt(train_inputs, target_dir, monkeypatch)
+    got = load_file(str(ref))
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+
+
+def _run_ckpt(d: Path, target: Path, monkeypatch):
+    import shutil
+
+    shutil.rmtree(d / "killed", ignore_errors=True)
+    monkeypatch.setenv("EAGLE3_FAULT_KILL_AFTER_STEPS", "2")
+    with pytest.raises(RuntimeError, match="distributed training failed"):
+        _run(d, "killed", target, 2, 1, checkpoint_every_steps=1)
+    assert (d / "killed" / ".checkpoint" / "state.pt").is_file() and not (d / "killed" / "drafter").exists()
+    monkeypatch.delenv("EAGLE3_FAULT_KILL_AFTER_STEPS")
+    summary, weights = _run(d, "killed", target, 2, 1, checkpoint_every_steps=1)
+    assert summary["resumed_from_step"] == 2
+    return summary, weights
