@@ -1,0 +1,216 @@
+"""SLURM: the reduced end-to-end run through `snakemake --profile profiles/slurm` on a one-node
+Slurm cluster on this machine, checked job by job in Slurm's accounting and compared with the
+local run of the same config (the session fixture e2e_run).
+
+tests/slurm/start-local-slurm.sh installs and starts the cluster (slurmctld, slurmd, slurmdbd
+with a private MariaDB, munge; fake `gpu` GRES of type `fake`); that needs root. Without root,
+or when the cluster cannot start, the test is skipped; with CI=true it fails instead.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from e2e_support import make_workdir
+
+ROOT = Path(__file__).resolve().parents[1]
+START = ROOT / "tests" / "slurm" / "start-local-slurm.sh"
+STOP = ROOT / "tests" / "slurm" / "stop-local-slurm.sh"
+pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
+
+# What start-local-slurm.sh sets up, filled into the profile's CHANGE placeholders.
+PARTITION, ACCOUNT, GPU_MODEL = "debug", "eagle3", "fake"
+GPU_RULES = {"generate_traces", "extract_hidden_states", "evaluate_drafter", "train_drafter"}
+THREADED_RULES = GPU_RULES | {"prepare_target_model"}  # threads: resources.threads (2)
+# Every job of the reduced run, as the plugin names it in the job comment: rule_<rule>[_wildcards_<values>]
+EXPECTED_JOBS = {
+    "rule_prepare_target_model": "prepare_target_model",
+    "rule_prepare_prompts_wildcards_e2e": "prepare_prompts",
+    "rule_prepare_eval_prompts_wildcards_e2e": "prepare_eval_prompts",
+    "rule_generate_traces_wildcards_e2e_00000": "generate_traces",
+    "rule_generate_traces_wildcards_e2e_00001": "generate_traces",
+    "rule_build_vocab_mapping_wildcards_e2e": "build_vocab_mapping",
+    "rule_extract_hidden_states_wildcards_e2e_00000": "extract_hidden_states",
+    "rule_extract_hidden_states_wildcards_e2e_00001": "extract_hidden_states",
+    "rule_train_drafter_wildcards_e2e": "train_drafter",
+    "rule_evaluate_drafter_wildcards_e2e": "evaluate_drafter",
+    "rule_summarize_run_wildcards_e2e": "summarize_run",
+}
+SACCT_FIELDS = [
+    "JobIDRaw",
+    "JobID",
+    "JobName",
+    "Comment",
+    "State",
+    "ExitCode",
+    "Partition",
+    "Account",
+    "AllocTRES",
+    "Submit",
+    "Start",
+    "End",
+]
+
+
+def _unavailable(reason: str):
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"the SLURM test must run in CI, but: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster():
+    """The local cluster, started if needed; stopped again afterwards only if this fixture started it."""
+    if os.geteuid() != 0:
+        _unavailable("needs root: tests/slurm/start-local-slurm.sh installs Slurm with apt-get and starts its daemons")
+    if not shutil.which("slurmctld") and not shutil.which("apt-get"):
+        _unavailable("Slurm is not installed and there is no apt-get to install it")
+    r = subprocess.run(["bash", str(START)], capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        _unavailable(f"the local Slurm cluster did not start:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+    started = "starting slurmctld" in r.stdout
+    try:
+        profile = yaml.safe_load((ROOT / "profiles/slurm/config.yaml").read_text())
+        need = max(int(v.get("mem_mb", 0)) for v in profile["set-resources"].values())
+        have = int(subprocess.run(["sinfo", "-h", "-N", "-o", "%m"], capture_output=True, text=True).stdout.split()[0])
+        if have < need:
+            _unavailable(f"the node has {have} MB of memory, profiles/slurm asks for up to {need} MB per job")
+        yield
+    finally:
+        if started:
+            subprocess.run(["bash", str(STOP)], capture_output=True, check=False)
+
+
+def filled_profile(dest: Path) -> dict:
+    """profiles/slurm with its partition, account and gpu_model placeholders set for the local cluster."""
+    profile = yaml.safe_load((ROOT / "profiles" / "slurm" / "config.yaml").read_text())
+    profile["default-resources"].update(slurm_partition=PARTITION, slurm_account=ACCOUNT)
+    for rule in GPU_RULES:
+        profile["set-resources"][rule]["gpu_model"] = GPU_MODEL
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "config.yaml").write_text(yaml.safe_dump(profile))
+    return profile
+
+
+def sacct(*args: str) -> list[dict]:
+    out = subprocess.run(
+        ["sacct", "--parsable2", "--noheader", f"--format={','.join(SACCT_FIELDS)}", *args], capture_output=True, text=True, check=True
+    ).stdout
+    return [dict(zip(SACCT_FIELDS, line.split("|"), strict=True)) for line in out.splitlines() if line]
+
+
+@pytest.fixture(scope="module")
+def slurm_run(slurm_cluster, tmp_path_factory):
+    wd = tmp_path_factory.mktemp("slurm-wd")
+    cfg = make_workdir(wd)
+    profile = filled_profile(wd / "profile")
+    locks = wd / "host-locks"  # a full-model job with the host lock on would create it
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "--profile",
+            str(wd / "profile"),
+            "--slurm-init-seconds-before-status-checks",
+            "1",  # first status check after 1 s, not 40 (the plugin adds 10 s per check while nothing finishes)
+            "-s",
+            str(ROOT / "Snakefile"),
+            "-d",
+            str(wd),
+            "--configfile",
+            str(cfg),
+        ],
+        cwd=wd,
+        env={**os.environ, "EAGLE3_LOCK_DIR": str(locks)},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stderr[-6000:]
+    (run_id,) = re.findall(r"SLURM run ID: (\S+)", r.stderr)
+    submitted = re.findall(r"Job \d+ has been submitted with SLURM jobid (\d+)", r.stderr)
+    rows = sacct("--allocations", "--name", run_id)
+    steps = sacct("--jobs", ",".join(j["JobIDRaw"] for j in rows)) if rows else []
+    return SimpleNamespace(wd=wd, res=wd / "results" / "e2e", profile=profile, locks=locks, submitted=submitted, jobs=rows, steps=steps)
+
+
+def test_every_job_went_through_sbatch_with_the_profile_resources(slurm_run):
+    jobs = {j["Comment"]: j for j in slurm_run.jobs}
+    # one SLURM job per Snakemake job (the `all` target is a local rule), and nothing else under this run's name
+    assert len(slurm_run.jobs) == len(EXPECTED_JOBS) and set(jobs) == set(EXPECTED_JOBS)
+    assert sorted(slurm_run.submitted) == sorted(j["JobIDRaw"] for j in slurm_run.jobs)
+    defaults, per_rule = slurm_run.profile["default-resources"], slurm_run.profile["set-resources"]
+    for comment, j in jobs.items():
+        rule = EXPECTED_JOBS[comment]
+        assert (j["State"], j["ExitCode"]) == ("COMPLETED", "0:0"), comment
+        assert (j["Partition"], j["Account"]) == (PARTITION, ACCOUNT), comment
+        tres = dict(x.split("=", 1) for x in j["AllocTRES"].split(","))
+        assert tres["cpu"] == ("2" if rule in THREADED_RULES else "1"), comment
+        assert tres["mem"] == f"{per_rule.get(rule, {}).get('mem_mb', defaults['mem_mb'])}M", comment
+        if rule in GPU_RULES:
+            assert tres["gres/gpu"] == "1" and tres[f"gres/gpu:{GPU_MODEL}"] == "1", comment
+        else:
+            assert "gres/gpu" not in tres, comment
+        # the rule ran as a job step under srun (snakemake-executor-plugin-slurm-jobstep)
+        step = next(s for s in slurm_run.steps if s["JobID"] == f"{j['JobIDRaw']}.0")
+        assert step["State"] == "COMPLETED", comment
+        wildcards = comment.removeprefix(f"rule_{rule}").removeprefix("_wildcards_")
+        assert (slurm_run.wd / "logs" / "slurm" / f"rule_{rule}" / wildcards / f"{j['JobIDRaw']}.log").is_file(), comment
+
+
+def test_full_model_jobs_are_not_serialized_by_the_workflow_on_slurm(slurm_run):
+    # Snakemake submitted both generation jobs at once (full_model limit raised by the profile) ...
+    gen = [j for j in slurm_run.jobs if EXPECTED_JOBS[j["Comment"]] == "generate_traces"]
+    t = {k: [datetime.fromisoformat(j[k]) for j in gen] for k in ("Submit", "End")}
+    assert max(t["Submit"]) < min(t["End"])
+    # ... and no job took the host-wide lock (resources.host_lock: false from the profile's config)
+    assert not slurm_run.locks.exists()
+
+
+def _json_without_run_specifics(path: Path, wd: Path):
+    """JSON with wall-clock figures dropped and the run directory replaced by <wd>."""
+
+    def norm(x):
+        if isinstance(x, dict):
+            return {k: norm(v) for k, v in x.items() if not re.search(r"seconds|per_second", k)}
+        if isinstance(x, list):
+            return [norm(v) for v in x]
+        return x.replace(str(wd), "<wd>") if isinstance(x, str) else x
+
+    if path.suffix == ".jsonl":
+        return [norm(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    return norm(json.loads(path.read_text()))
+
+
+def test_outputs_equal_the_local_run(slurm_run, e2e_run):
+    local_wd, _, local = e2e_run
+    remote = slurm_run.res
+    files = sorted(p.relative_to(local) for p in local.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(remote) for p in remote.rglob("*") if p.is_file())
+    # the same bytes: prompts, traces (token ids, text, seeds, engine identity), vocab, hidden
+    # states, drafter weights, evaluation outputs
+    byte_equal = [
+        *(f for f in files if f.parts[0] in ("prompts", "traces", "vocab") and f.suffix in (".jsonl", ".npy")),
+        *(f for f in files if f.parts[0] == "hidden_states" and f.suffix == ".safetensors"),
+        *(Path(f) for f in ("drafter/model.safetensors", "drafter/config.py", "eval/prompts.jsonl", "eval/outputs.jsonl")),
+    ]
+    # prompts: 2 shards + rejects; traces: 2 x (shard, rejects); vocab: 3 arrays; hidden states: 2 shards
+    assert len(byte_equal) == 3 + 4 + 3 + 2 + 4
+    for f in byte_equal:
+        assert (local / f).read_bytes() == (remote / f).read_bytes(), f
+    # every JSON output (counts, coverage, shard manifests with their SHA-256, losses per step,
+    # tau, summaries) equal but for wall-clock figures and run directory paths
+    for f in (f for f in files if f.suffix in (".json", ".jsonl") and f not in byte_equal):
+        a, b = _json_without_run_specifics(local / f, local_wd), _json_without_run_specifics(remote / f, slurm_run.wd)
+        assert a == b, f
+    acc = json.loads((remote / "eval/acceptance.json").read_text())
+    assert acc["num_drafts"] > 0 and acc["acceptance_length"] >= 1.0
