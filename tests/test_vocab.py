@@ -28,8 +28,21 @@ def test_counts_only_given_tokens():
 
 
 def test_count_rejects_foreign_ids():
-    with pytest.raises(InputError, match="outside the target vocabulary"):
+    with pytest.raises(InputError, match="token id 10 outside the target vocabulary"):
         count_supervised_tokens([[10]], 10)
+    with pytest.raises(InputError, match="token id -1 outside the target vocabulary"):
+        count_supervised_tokens([[3], [-1]], 10, batch_tokens=1)
+
+
+@pytest.mark.parametrize("batch_tokens", [1, 7, 1 << 22])
+def test_batched_counting_equals_a_per_token_count(batch_tokens):
+    rng = np.random.default_rng(3)
+    samples = [rng.integers(0, 1000, size=int(n)).tolist() for n in rng.integers(0, 50, size=200)]
+    want = np.zeros(1000, dtype=np.int64)
+    for ids in samples:
+        for t in ids:
+            want[t] += 1
+    assert np.array_equal(count_supervised_tokens(samples, 1000, batch_tokens=batch_tokens), want)
 
 
 def test_exact_mapping_with_ties_and_padding():
