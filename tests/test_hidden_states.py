@@ -134,3 +134,64 @@ def test_equal_shards_have_equal_bytes_across_processes(tmp_path):
         for i in range(4)
     }
     assert len(shas) == 1
+
+
+def test_fp8_storage_round_trip_error_is_bounded(tmp_path, target_dir):
+    """Real SmolLM2 states stored as float8 e4m3fn with per-(token, layer) scales: half the
+    bytes of bf16, each element within half an e4m3 step (2^-4 relative to the row maximum's
+    binade) of the bf16 value, and chunk merging copies the fp8 bytes unchanged."""
+    from eagle3_pipeline.hidden_states import merge_shards
+
+    model = load_hf_target(str(target_dir), "cpu")
+    rng = np.random.default_rng(5)
+    samples = [
+        sample_from_trace(
+            {
+                "id": f"s{i}",
+                "prompt_token_ids": rng.integers(1, 49152, 12).tolist(),
+                "completion_token_ids": rng.integers(1, 49152, 20).tolist(),
+            },
+            2048,
+        )
+        for i in range(4)
+    ]
+    _, layer_ids = resolve_layer_ids(None, 30)
+    states = extract_hf(model, samples, layer_ids, batch_tokens=4096, storage_dtype=torch.bfloat16)
+    bf = write_shard(tmp_path / "bf16.safetensors", samples, states, layer_ids=layer_ids, aux_layer_ids=layer_ids[:-1], index_path=None)
+    f8 = write_shard(
+        tmp_path / "fp8.safetensors",
+        samples,
+        states,
+        layer_ids=layer_ids,
+        aux_layer_ids=layer_ids[:-1],
+        index_path=None,
+        storage_dtype=torch.float8_e4m3fn,
+    )
+    assert f8["dtype"] == "float8_e4m3fn" and f8["bytes"] < 0.55 * bf["bytes"]
+    r = ShardReader(tmp_path / "fp8.safetensors")
+    for i, want in enumerate(states):
+        got = r.sample(i)["hidden_states"]
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        x, y = want.float(), got.float()
+        amax = x.abs().amax(-1, keepdim=True)
+        assert torch.equal(y.abs().amax(-1, keepdim=True), amax)  # each row's largest element is exact
+        err = (x - y).abs()
+        # half an e4m3 step: 2^-4 of |x| (normal range), plus bf16 rounding of the result
+        assert bool((err <= x.abs() * 2**-4 + amax / 448 * 2**-9 + x.abs() * 2**-8).all())
+        assert float(err.max()) > 0  # it is lossy: the test would notice a no-op
+    # merging chunks copies the stored fp8 bytes: merged == written in one go
+    halves = [
+        write_shard(
+            tmp_path / f"h{k}.safetensors",
+            samples[2 * k : 2 * k + 2],
+            states[2 * k : 2 * k + 2],
+            layer_ids=layer_ids,
+            aux_layer_ids=layer_ids[:-1],
+            index_path=None,
+            storage_dtype=torch.float8_e4m3fn,
+        )
+        for k in range(2)
+    ]
+    assert all(h["dtype"] == "float8_e4m3fn" for h in halves)
+    merged = merge_shards([tmp_path / "h0.safetensors", tmp_path / "h1.safetensors"], tmp_path / "merged.safetensors")
+    assert merged["sha256"] == f8["sha256"]
