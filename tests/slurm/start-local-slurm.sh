@@ -28,7 +28,9 @@ ACCOUNT=eagle3
 
 die() { echo "start-local-slurm: $*" >&2; exit 1; }
 log() { echo "start-local-slurm: $*"; }
-alive() { [[ -f $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# alive PIDFILE: the process named in PIDFILE runs and is the daemon the file is named after
+# (a pid left from before a reboot may belong to something else by now)
+alive() { [[ -f $1 && "$(cat "/proc/$(cat "$1")/comm" 2>/dev/null)" == "$(basename "$1" .pid)" ]]; }
 wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
   local n=$1 what=$2; shift 2
   for ((k = 0; k < n * 5; k++)); do "$@" >/dev/null 2>&1 && return 0; sleep 0.2; done

@@ -7,7 +7,8 @@ STATE=${EAGLE3_SLURM_STATE:-/var/tmp/eagle3-slurm}
 for pidfile in "$STATE"/run/{slurmd,slurmctld,slurmdbd}.pid "$STATE"/mysql/mariadbd.pid "$STATE"/run/munged.pid; do
   [[ -f $pidfile ]] || continue
   pid=$(cat "$pidfile")
-  if kill -0 "$pid" 2>/dev/null; then
+  # only the daemon the file is named after (a stale pid may belong to another process by now)
+  if [[ "$(cat "/proc/$pid/comm" 2>/dev/null)" == "$(basename "$pidfile" .pid)" ]]; then
     echo "stop-local-slurm: stopping $(basename "$pidfile" .pid) (pid $pid)"
     kill "$pid"
     for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
