@@ -3,12 +3,12 @@ rule build_vocab_mapping:
         traces=get_trace_shards,
         target=get_target_dir(),
     output:
-        d2t="results/{run}/vocab/d2t.npy",
-        t2d="results/{run}/vocab/t2d.npy",
-        token_freq="results/{run}/vocab/token_freq.npy",
-        coverage="results/{run}/vocab/coverage.json",
+        d2t=f"results/{RUN}/vocab/d2t.npy",
+        t2d=f"results/{RUN}/vocab/t2d.npy",
+        token_freq=f"results/{RUN}/vocab/token_freq.npy",
+        coverage=f"results/{RUN}/vocab/coverage.json",
     log:
-        "logs/{run}/build_vocab_mapping.log",
+        f"logs/{RUN}/build_vocab_mapping.log",
     conda:
         "../envs/cpu.yaml"
     params:

@@ -1,6 +1,5 @@
 # Config validation, wildcard constraints, resource defaults and input functions.
 # The only place with Python helpers; rules call these by name.
-import re
 import sys
 from pathlib import Path
 
@@ -64,7 +63,6 @@ THREADS = config["resources"]["threads"]
 
 
 wildcard_constraints:
-    run=re.escape(RUN),
     shard=r"\d{5}",
 
 
@@ -131,23 +129,21 @@ def get_init_drafter_identity():
 
 
 def get_prompt_shard(wildcards):
-    return f"results/{wildcards.run}/prompts/shard-{wildcards.shard}.jsonl"
+    return f"results/{RUN}/prompts/shard-{wildcards.shard}.jsonl"
 
 
 def get_trace_shards(wildcards):
-    return expand(
-        "results/{run}/traces/shard-{shard}.jsonl", run=wildcards.run, shard=SHARDS
-    )
+    return expand("results/{run}/traces/shard-{shard}.jsonl", run=RUN, shard=SHARDS)
 
 
 def get_trace_shard(wildcards):
-    return f"results/{wildcards.run}/traces/shard-{wildcards.shard}.jsonl"
+    return f"results/{RUN}/traces/shard-{wildcards.shard}.jsonl"
 
 
 def get_hidden_state_shards(wildcards):
     return expand(
         "results/{run}/hidden_states/shard-{shard}.safetensors",
-        run=wildcards.run,
+        run=RUN,
         shard=SHARDS,
     )
 
@@ -155,7 +151,7 @@ def get_hidden_state_shards(wildcards):
 def get_trace_summaries(wildcards):
     return expand(
         "results/{run}/traces/shard-{shard}.summary.json",
-        run=wildcards.run,
+        run=RUN,
         shard=SHARDS,
     )
 
@@ -163,7 +159,7 @@ def get_trace_summaries(wildcards):
 def get_hidden_state_indexes(wildcards):
     return expand(
         "results/{run}/hidden_states/shard-{shard}.index.json",
-        run=wildcards.run,
+        run=RUN,
         shard=SHARDS,
     )
 

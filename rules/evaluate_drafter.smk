@@ -1,16 +1,16 @@
 rule evaluate_drafter:
     input:
-        drafter="results/{run}/drafter",
-        prompts="results/{run}/eval/prompts.jsonl",
-        train_summary="results/{run}/train/summary.json",
+        drafter=f"results/{RUN}/drafter",
+        prompts=f"results/{RUN}/eval/prompts.jsonl",
+        train_summary=f"results/{RUN}/train/summary.json",
         target=get_target_dir(),
     output:
-        acceptance="results/{run}/eval/acceptance.json",
-        outputs="results/{run}/eval/outputs.jsonl",
+        acceptance=f"results/{RUN}/eval/acceptance.json",
+        outputs=f"results/{RUN}/eval/outputs.jsonl",
     log:
-        "logs/{run}/evaluate_drafter.log",
+        f"logs/{RUN}/evaluate_drafter.log",
     benchmark:
-        "benchmarks/{run}/evaluate_drafter.tsv"
+        f"benchmarks/{RUN}/evaluate_drafter.tsv"
     conda:
         "../envs/cpu.yaml"
     threads: THREADS
@@ -18,7 +18,6 @@ rule evaluate_drafter:
         gpu=EVALUATION_GPUS,
         full_model=1,
     params:
-        host_lock=config["resources"]["host_lock"],
         trust_remote_code=config["target"]["trust_remote_code"],
         evaluation=config["evaluation"],
         num_speculative_tokens=get_num_speculative_tokens(),

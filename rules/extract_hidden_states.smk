@@ -3,12 +3,12 @@ rule extract_hidden_states:
         traces=get_trace_shard,
         target=get_target_dir(),
     output:
-        shard="results/{run}/hidden_states/shard-{shard}.safetensors",
-        index="results/{run}/hidden_states/shard-{shard}.index.json",
+        shard=f"results/{RUN}/hidden_states/shard-{{shard}}.safetensors",
+        index=f"results/{RUN}/hidden_states/shard-{{shard}}.index.json",
     log:
-        "logs/{run}/extract_hidden_states/shard-{shard}.log",
+        f"logs/{RUN}/extract_hidden_states/shard-{{shard}}.log",
     benchmark:
-        "benchmarks/{run}/extract_hidden_states/shard-{shard}.tsv"
+        f"benchmarks/{RUN}/extract_hidden_states/shard-{{shard}}.tsv"
     conda:
         "../envs/cpu.yaml"
     threads: THREADS
@@ -16,7 +16,6 @@ rule extract_hidden_states:
         gpu=EXTRACTION_GPUS,
         full_model=1,
     params:
-        host_lock=config["resources"]["host_lock"],
         trust_remote_code=config["target"]["trust_remote_code"],
         target_identity=get_target_identity(),
         extraction=config["extraction"],

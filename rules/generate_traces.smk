@@ -3,13 +3,13 @@ rule generate_traces:
         prompts=get_prompt_shard,
         target=get_target_dir(),
     output:
-        traces="results/{run}/traces/shard-{shard}.jsonl",
-        rejects="results/{run}/traces/shard-{shard}.rejects.jsonl",
-        summary="results/{run}/traces/shard-{shard}.summary.json",
+        traces=f"results/{RUN}/traces/shard-{{shard}}.jsonl",
+        rejects=f"results/{RUN}/traces/shard-{{shard}}.rejects.jsonl",
+        summary=f"results/{RUN}/traces/shard-{{shard}}.summary.json",
     log:
-        "logs/{run}/generate_traces/shard-{shard}.log",
+        f"logs/{RUN}/generate_traces/shard-{{shard}}.log",
     benchmark:
-        "benchmarks/{run}/generate_traces/shard-{shard}.tsv"
+        f"benchmarks/{RUN}/generate_traces/shard-{{shard}}.tsv"
     conda:
         "../envs/cpu.yaml"
     threads: THREADS
@@ -17,7 +17,6 @@ rule generate_traces:
         gpu=GENERATION_GPUS,
         full_model=1,
     params:
-        host_lock=config["resources"]["host_lock"],
         trust_remote_code=config["target"]["trust_remote_code"],
         target_identity=get_target_identity(),
         generation=config["generation"],

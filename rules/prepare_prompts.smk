@@ -1,10 +1,10 @@
 rule prepare_prompts:
     output:
-        shards=expand("results/{{run}}/prompts/shard-{shard}.jsonl", shard=SHARDS),
-        rejects="results/{run}/prompts/rejects.jsonl",
-        summary="results/{run}/prompts/summary.json",
+        shards=expand(f"results/{RUN}/prompts/shard-{{shard}}.jsonl", shard=SHARDS),
+        rejects=f"results/{RUN}/prompts/rejects.jsonl",
+        summary=f"results/{RUN}/prompts/summary.json",
     log:
-        "logs/{run}/prepare_prompts.log",
+        f"logs/{RUN}/prepare_prompts.log",
     conda:
         "../envs/cpu.yaml"
     params:
@@ -17,9 +17,9 @@ rule prepare_prompts:
 
 rule prepare_eval_prompts:
     output:
-        "results/{run}/eval/prompts.jsonl",
+        f"results/{RUN}/eval/prompts.jsonl",
     log:
-        "logs/{run}/prepare_eval_prompts.log",
+        f"logs/{RUN}/prepare_eval_prompts.log",
     conda:
         "../envs/cpu.yaml"
     params:

@@ -1,15 +1,15 @@
 rule summarize_run:
     input:
-        prompts="results/{run}/prompts/summary.json",
+        prompts=f"results/{RUN}/prompts/summary.json",
         traces=get_trace_summaries,
-        coverage="results/{run}/vocab/coverage.json",
+        coverage=f"results/{RUN}/vocab/coverage.json",
         hidden_indexes=get_hidden_state_indexes,
-        train="results/{run}/train/summary.json",
-        acceptance="results/{run}/eval/acceptance.json",
+        train=f"results/{RUN}/train/summary.json",
+        acceptance=f"results/{RUN}/eval/acceptance.json",
     output:
-        "results/{run}/summary.json",
+        f"results/{RUN}/summary.json",
     log:
-        "logs/{run}/summarize_run.log",
+        f"logs/{RUN}/summarize_run.log",
     conda:
         "../envs/cpu.yaml"
     script:

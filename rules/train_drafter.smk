@@ -1,17 +1,17 @@
 rule train_drafter:
     input:
         shards=get_hidden_state_shards,
-        d2t="results/{run}/vocab/d2t.npy",
-        t2d="results/{run}/vocab/t2d.npy",
+        d2t=f"results/{RUN}/vocab/d2t.npy",
+        t2d=f"results/{RUN}/vocab/t2d.npy",
         target=get_target_dir(),
     output:
-        drafter=directory("results/{run}/drafter"),
-        metrics="results/{run}/train/metrics.jsonl",
-        summary="results/{run}/train/summary.json",
+        drafter=directory(f"results/{RUN}/drafter"),
+        metrics=f"results/{RUN}/train/metrics.jsonl",
+        summary=f"results/{RUN}/train/summary.json",
     log:
-        "logs/{run}/train_drafter.log",
+        f"logs/{RUN}/train_drafter.log",
     benchmark:
-        "benchmarks/{run}/train_drafter.tsv"
+        f"benchmarks/{RUN}/train_drafter.tsv"
     conda:
         "../envs/cpu.yaml"
     threads: THREADS

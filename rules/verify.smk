@@ -4,10 +4,9 @@ rule verify:
     conda:
         "../envs/cpu.yaml"
     params:
-        traces=expand("results/{run}/traces/shard-{shard}.jsonl", run=RUN, shard=SHARDS),
+        traces=expand(f"results/{RUN}/traces/shard-{{shard}}.jsonl", shard=SHARDS),
         hidden_states=expand(
-            "results/{run}/hidden_states/shard-{shard}.safetensors",
-            run=RUN,
+            f"results/{RUN}/hidden_states/shard-{{shard}}.safetensors",
             shard=SHARDS,
         ),
     script:

@@ -33,16 +33,16 @@ THREADED_RULES = GPU_RULES | {"prepare_target_model"}  # threads: resources.thre
 # Every job of the reduced run, as the plugin names it in the job comment: rule_<rule>[_wildcards_<values>]
 EXPECTED_JOBS = {
     "rule_prepare_target_model": "prepare_target_model",
-    "rule_prepare_prompts_wildcards_e2e": "prepare_prompts",
-    "rule_prepare_eval_prompts_wildcards_e2e": "prepare_eval_prompts",
-    "rule_generate_traces_wildcards_e2e_00000": "generate_traces",
-    "rule_generate_traces_wildcards_e2e_00001": "generate_traces",
-    "rule_build_vocab_mapping_wildcards_e2e": "build_vocab_mapping",
-    "rule_extract_hidden_states_wildcards_e2e_00000": "extract_hidden_states",
-    "rule_extract_hidden_states_wildcards_e2e_00001": "extract_hidden_states",
-    "rule_train_drafter_wildcards_e2e": "train_drafter",
-    "rule_evaluate_drafter_wildcards_e2e": "evaluate_drafter",
-    "rule_summarize_run_wildcards_e2e": "summarize_run",
+    "rule_prepare_prompts": "prepare_prompts",
+    "rule_prepare_eval_prompts": "prepare_eval_prompts",
+    "rule_generate_traces_wildcards_00000": "generate_traces",
+    "rule_generate_traces_wildcards_00001": "generate_traces",
+    "rule_build_vocab_mapping": "build_vocab_mapping",
+    "rule_extract_hidden_states_wildcards_00000": "extract_hidden_states",
+    "rule_extract_hidden_states_wildcards_00001": "extract_hidden_states",
+    "rule_train_drafter": "train_drafter",
+    "rule_evaluate_drafter": "evaluate_drafter",
+    "rule_summarize_run": "summarize_run",
 }
 SACCT_FIELDS = [
     "JobIDRaw",

@@ -17,7 +17,8 @@ if __name__ == "__main__":
     drafter = str(Path(sm.input.drafter).resolve())
     spec = {"method": "eagle3", "model": drafter, "num_speculative_tokens": k}
     pids = ProcessRecord(Path(sm.output.acceptance).parents[1] / ".pids", "evaluate_drafter")
-    with host_lock(enabled=sm.params.host_lock):
+    # read from the config, not a param: changing it (local vs cluster) must not rerun the job
+    with host_lock(enabled=sm.config["resources"]["host_lock"]):
         cleanup_stale_processes(pids.path.parent)
         check_gpus_free()
         load = Timer()

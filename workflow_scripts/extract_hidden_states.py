@@ -19,7 +19,7 @@ if __name__ == "__main__":
         sm.params.extraction,
         max_seq_len=sm.params.max_seq_len,
         trust_remote_code=sm.params.trust_remote_code,
-        host_lock_enabled=sm.params.host_lock,
+        host_lock_enabled=sm.config["resources"]["host_lock"],  # config, not a param: no rerun when it changes
     )
     logging.getLogger("extract_hidden_states").info(
         "extracted %d samples, %d tokens, layers %s: %.0f tok/s, model load %.1f s, %.1f MB written, peak RSS %.0f MB, %d of %d chunks resumed",

@@ -19,5 +19,5 @@ if __name__ == "__main__":
             "trust_remote_code": p.trust_remote_code,
         },
         chunk_prompts=p.generation["chunk_prompts"],
-        host_lock_enabled=p.host_lock,
+        host_lock_enabled=sm.config["resources"]["host_lock"],  # config, not a param: no rerun when it changes
     )

@@ -403,7 +403,9 @@ def _extraction_replica(job: dict, rank: int, chunks) -> None:
         a, b = ranges[i]
         states = extract_hf(model, samples[a:b], job["layer_ids"], batch_tokens=cfg["batch_tokens"], storage_dtype=compute_dtype)
         with store.writing(i) as tmp:
-            write_shard(tmp, samples[a:b], states, layer_ids=job["layer_ids"], aux_layer_ids=job["aux"], index_path=None, storage_dtype=dtype)
+            write_shard(
+                tmp, samples[a:b], states, layer_ids=job["layer_ids"], aux_layer_ids=job["aux"], index_path=None, storage_dtype=dtype
+            )
         tokens += sum(len(s.input_ids) for s in samples[a:b])
         done += 1
         logger.info("chunk %d/%d done (samples %d-%d)", i + 1, len(ranges), a, b - 1)

@@ -431,6 +431,8 @@ def train(
     # Every rank builds the same pack list (same seed); optimizer step s of an epoch uses
     # packs [s*W*A, (s+1)*W*A): rank r's micro-batch a is pack s*W*A + a*W + r. So W ranks
     # x A accumulation steps see exactly the packs of 1 rank x W*A accumulation steps.
+    # The number of packs varies a little from epoch to epoch (packing follows the
+    # shuffled order); len(train_loader), speculators' estimate, sizes the schedule.
     steps_per_epoch = len(train_loader) // per_step
     if steps_per_epoch == 0:
         raise InputError(
@@ -473,14 +475,6 @@ def train(
         aux,
         d2t.shape[0],
     )
-    dropped = len(train_loader) - steps_per_epoch * per_step
-    if dropped:
-        logger.info(
-            "%d of %d packs per epoch do not fill a step of %d packs and are left out (a new draw each epoch)",
-            dropped,
-            len(train_loader),
-            per_step,
-        )
     ckpt = TrainCheckpoint(
         Path(metrics_path).parent / ".checkpoint",
         _train_fingerprint(shards, vocab_dir, target_path, {**cfg, "world_size": world}, seed, max_seq_len),
@@ -548,7 +542,16 @@ def train(
             break
         sampler.set_epoch(epoch)
         batches = list(sampler)
-        for si in range(steps_per_epoch):
+        epoch_steps = len(batches) // per_step
+        if len(batches) > epoch_steps * per_step:
+            logger.info(
+                "epoch %d: %d of %d packs do not fill a step of %d packs and are left out",
+                epoch,
+                len(batches) % per_step,
+                len(batches),
+                per_step,
+            )
+        for si in range(epoch_steps):
             if epoch == start_epoch and si < start_batch:
                 continue  # done before the restart
             if step >= total_steps:
@@ -599,7 +602,7 @@ def train(
             bar.update(1)
             if step == warm_step:
                 warm_mark = (timer.seconds, tokens_seen)
-            if every and step % every == 0 and step < total_steps and si + 1 < steps_per_epoch:
+            if every and step % every == 0 and step < total_steps and si + 1 < epoch_steps:
                 snapshot(epoch, si + 1)
         if val_loader is not None:
             val_metrics = evaluate_offline(eval_model, val_loader, call_kwargs, device, autocast)
