@@ -258,3 +258,10 @@ def test_epochs_with_fewer_packs_than_the_first_train_to_the_end(train_inputs, t
     per_epoch = [sum(1 for x in lines if x["epoch"] == e) for e in range(4)]
     assert summary["steps"] == len(lines) == sum(per_epoch)
     assert len(set(per_epoch)) > 1 and min(per_epoch) >= 9, per_epoch  # here [11, 10, 10, 9]
+
+
+def test_more_training_processes_than_gpus_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cfg = validate_config({"training": {"device": "cuda"}})["training"]
+    with pytest.raises(RuntimeError, match=r"resources.train_gpus=2 but this job sees 1 GPU\(s\)"):
+        run_training({"cfg": cfg}, 2)

@@ -659,10 +659,16 @@ def run_training(args: dict, num_processes: int) -> dict:
         :func:`train`'s summary.
 
     Raises:
-        RuntimeError: torchrun exited non-zero (a rank failed; its traceback is in the log).
+        RuntimeError: fewer GPUs visible than processes asked for (training on CUDA), or
+            torchrun exited non-zero (a rank failed; its traceback is in the log).
     """
     if num_processes <= 1:
         return train(**args)
+    if resolve_device(args["cfg"]["device"]).startswith("cuda") and torch.cuda.device_count() < num_processes:
+        raise RuntimeError(
+            f"resources.train_gpus={num_processes} but this job sees {torch.cuda.device_count()} GPU(s) "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); lower it or give the job more GPUs"
+        )
     import subprocess
     import sys
     import tempfile
