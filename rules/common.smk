@@ -18,12 +18,9 @@ from eagle3_pipeline.target_model import (
     target_shape,
 )
 
-# A boolean nested in a --config mapping (profiles/slurm's `resources: {host_lock: false}`)
-# arrives as a string (False or false): Snakemake reads --config values with YAML's BaseLoader.
-_res = config.get("resources")
-if isinstance(_res, dict) and str(_res.get("host_lock")).lower() in ("true", "false"):
-    _res["host_lock"] = str(_res["host_lock"]).lower() == "true"
-
+# validate_config also turns the strings that nested --config values arrive as (profiles/slurm's
+# `resources: {host_lock: false}`, `--config "vllm={data_parallel_size: 2}"`) into the
+# schema's types.
 try:
     _validated = validate_config(config)
 except ConfigError as e:
@@ -59,6 +56,12 @@ EXTRACTION_GPUS = (
 )
 EVALUATION_GPUS = _OVERRIDE_GPUS if _OVERRIDE_GPUS is not None else _ENGINE_GPUS
 TRAIN_PROCESSES = max(1, config["resources"]["train_gpus"])
+# Params without the data-parallel sizes: how many replicas share a job's chunks does not
+# change what the job writes, so changing it must not rerun the job (the scripts read the
+# sizes from the config). Tensor/pipeline parallel sizes stay params: they change numerics.
+_DP_KEYS = ("data_parallel_size", "gpus_per_replica")
+VLLM_PARAMS = {k: v for k, v in _V.items() if k not in _DP_KEYS}
+EXTRACTION_PARAMS = {k: v for k, v in _X.items() if k not in _DP_KEYS}
 THREADS = config["resources"]["threads"]
 
 

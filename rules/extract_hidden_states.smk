@@ -18,7 +18,7 @@ rule extract_hidden_states:
     params:
         trust_remote_code=config["target"]["trust_remote_code"],
         target_identity=get_target_identity(),
-        extraction=config["extraction"],
+        extraction=EXTRACTION_PARAMS,
         max_seq_len=config["max_seq_len"],
     script:
         "../workflow_scripts/extract_hidden_states.py"

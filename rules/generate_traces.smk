@@ -20,7 +20,7 @@ rule generate_traces:
         trust_remote_code=config["target"]["trust_remote_code"],
         target_identity=get_target_identity(),
         generation=config["generation"],
-        vllm=config["vllm"],
+        vllm=VLLM_PARAMS,
         seed=config["seed"],
         max_seq_len=config["max_seq_len"],
     script:

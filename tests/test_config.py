@@ -52,3 +52,41 @@ def test_target_dependent_settings_are_checked_before_any_job():
     assert "vocab.draft_vocab_size: 60000 is larger than the target vocabulary (49152 tokens)" in msg
     assert "extraction.aux_layer_ids: aux layer ids [40] out of range" in msg
     check_against_target(validate_config({}), 30, 49152)  # the default fits the embedded target
+
+
+def test_nested_command_line_strings_take_the_schema_types():
+    """Snakemake hands nested --config / profile config: values over as strings."""
+    from eagle3_pipeline.config import validate_config
+
+    cfg = validate_config(
+        {
+            "run": "007",
+            "resources": {"host_lock": "False", "train_gpus": "2"},
+            "vllm": {"data_parallel_size": "2", "gpu_memory_utilization": "0.8"},
+            "training": {"max_steps": "null", "lr": "1e-4"},
+            "extraction": {"aux_layer_ids": "[1, 2]"},
+        }
+    )
+    assert cfg["run"] == "007"  # a string where the schema wants one stays a string
+    assert cfg["resources"]["host_lock"] is False and cfg["resources"]["train_gpus"] == 2
+    assert cfg["vllm"]["data_parallel_size"] == 2 and cfg["vllm"]["gpu_memory_utilization"] == 0.8
+    assert cfg["training"]["max_steps"] is None and cfg["training"]["lr"] == 1e-4
+    assert cfg["extraction"]["aux_layer_ids"] == [1, 2]
+
+
+def test_a_string_that_is_not_the_type_is_still_an_error():
+    import pytest
+
+    from eagle3_pipeline.config import ConfigError, validate_config
+
+    with pytest.raises(ConfigError, match=r"vllm.data_parallel_size: 'two' is not of type 'integer'"):
+        validate_config({"vllm": {"data_parallel_size": "two"}})
+
+
+def test_reserved_run_name_is_a_clear_error():
+    import pytest
+
+    from eagle3_pipeline.config import ConfigError, validate_config
+
+    with pytest.raises(ConfigError, match=r"run: 'results' is reserved"):
+        validate_config({"run": "results"})

@@ -256,6 +256,9 @@ def test_dry_run_is_clean_and_changes_rerun_exactly_the_dependents(run):
     }
     # the host-wide lock (off on a cluster) is read from the config, not a rule param: nothing reruns
     assert dry_run_jobs(wd, _changed(wd, "nolock", resources={"host_lock": False})) == Counter()
+    # so are the data-parallel sizes: how many replicas share a job's chunks
+    dp = {"vllm": {**SMALL["vllm"], "data_parallel_size": 2}, "extraction": {**SMALL["extraction"], "gpus_per_replica": 2}}
+    assert dry_run_jobs(wd, _changed(wd, "dp", **dp)) == Counter()
     # draft vocab size: vocab, training, evaluation; traces and hidden states are kept
     assert dry_run_jobs(wd, _changed(wd, "vocab", vocab={"draft_vocab_size": 1024})) == Counter(
         {"build_vocab_mapping": 1, "train_drafter": 1, "evaluate_drafter": 1, "summarize_run": 1, "all": 1}

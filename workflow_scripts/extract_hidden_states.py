@@ -16,7 +16,8 @@ if __name__ == "__main__":
         sm.output.shard,
         sm.output.index,
         sm.input.target,
-        sm.params.extraction,
+        # replicas and GPUs per replica come from the config: not params, so changing them reruns nothing
+        {**sm.params.extraction, **{k: sm.config["extraction"][k] for k in ("data_parallel_size", "gpus_per_replica")}},
         max_seq_len=sm.params.max_seq_len,
         trust_remote_code=sm.params.trust_remote_code,
         host_lock_enabled=sm.config["resources"]["host_lock"],  # config, not a param: no rerun when it changes

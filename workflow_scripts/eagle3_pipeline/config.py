@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from pathlib import Path
@@ -10,6 +11,10 @@ import jsonschema
 import yaml
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
+
+
+#: Run names that would collide with the repository's own folders (benchmarks/results/).
+RESERVED_RUN_NAMES = ("results", ".", "..")
 
 
 class ConfigError(ValueError):
@@ -55,8 +60,42 @@ def check_against_target(config: dict, num_hidden_layers: int, vocab_size: int) 
         raise ConfigError("invalid configuration for this target:\n" + "\n".join(problems))
 
 
+def coerce_cli_strings(cfg: dict, schema: dict) -> None:
+    """Turn strings into the schema's non-string types, in place (``"2"`` → 2, ``"false"`` → False).
+
+    Snakemake reads a mapping given on the command line or in a profile's ``config:``
+    (``--config "vllm={data_parallel_size: 2}"``) with YAML's base loader, so every nested
+    scalar arrives as a string. A string is parsed as YAML only where the schema does not
+    allow a string there; what does not parse to an allowed type is left for validation to
+    report.
+    """
+    props = schema.get("properties", {})
+    for key, value in list(cfg.items()):
+        sub = props.get(key)
+        if not isinstance(sub, dict):
+            continue
+        if isinstance(value, dict):
+            coerce_cli_strings(value, sub)
+            continue
+        types = sub.get("type", [])
+        types = [types] if isinstance(types, str) else types
+        if isinstance(value, str) and types and "string" not in types:
+            try:
+                parsed = yaml.safe_load(value)
+            except yaml.YAMLError:
+                continue
+            if isinstance(parsed, str) and "number" in types:  # YAML 1.1 reads "1e-4" as a string
+                with contextlib.suppress(ValueError):
+                    parsed = float(parsed)
+            py = {"integer": int, "number": (int, float), "boolean": bool, "null": type(None), "array": list, "object": dict}
+            if any(isinstance(parsed, py[t]) and not (t in ("integer", "number") and isinstance(parsed, bool)) for t in types if t in py):
+                cfg[key] = parsed
+
+
 def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) -> dict:
     """Return a copy of ``config`` with defaults filled in, after validating it.
+
+    Strings where the schema wants another type are parsed first (:func:`coerce_cli_strings`).
 
     Raises:
         ConfigError: listing each violation as ``<key path>: <message>``, e.g.
@@ -64,6 +103,7 @@ def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) 
     """
     schema = load_schema(schema_path)
     cfg = copy.deepcopy(config) if config else {}
+    coerce_cli_strings(cfg, schema)
     validator = _with_defaults(jsonschema.Draft7Validator)(schema)
     errors = sorted(validator.iter_errors(cfg), key=lambda e: list(e.absolute_path))
     if errors:
@@ -72,4 +112,9 @@ def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) 
             where = ".".join(str(p) for p in e.absolute_path) or "<top level>"
             lines.append(f"  {where}: {e.message}")
         raise ConfigError("invalid configuration (see config/schema.yaml):\n" + "\n".join(lines))
+    if cfg["run"] in RESERVED_RUN_NAMES:
+        raise ConfigError(
+            f"invalid configuration: run: {cfg['run']!r} is reserved (benchmarks/{cfg['run']}/ would mix with "
+            "benchmarks/results/, which holds the recorded figures); choose another run name"
+        )
     return cfg

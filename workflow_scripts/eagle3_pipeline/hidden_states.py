@@ -394,8 +394,10 @@ def _extraction_replica(job: dict, rank: int, chunks) -> None:
     store = ChunkStore.attach(job["out_shard"], ".safetensors")
     dtype = STORAGE_DTYPES[cfg["storage_dtype"]]
     compute_dtype = torch.bfloat16 if dtype == FP8 else dtype
+    # a replica of several GPUs spreads the target's layers over them (device_map "auto")
+    device = "auto" if (cfg.get("gpus_per_replica") or 1) > 1 and cfg["device"] in ("auto", "cuda") else cfg["device"]
     load = Timer()
-    model = load_hf_target(job["target"], cfg["device"], job["trust_remote_code"])
+    model = load_hf_target(job["target"], device, job["trust_remote_code"])
     load_s = load.seconds
     run = Timer()
     tokens = done = 0

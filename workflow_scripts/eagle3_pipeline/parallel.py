@@ -97,7 +97,9 @@ def _replica_main(worker: Callable, rank: int, devices: str | None, queue) -> No
 def run_replicas(worker: Callable[[int, Iterator[int]], None], items: Sequence[int], num_replicas: int, gpus_per_replica: int) -> None:
     """Run ``worker(rank, items_iterator)`` on ``num_replicas`` replicas sharing ``items``.
 
-    With one replica the worker runs in this process (no spawn). Otherwise each replica
+    With one replica the worker runs in this process (no spawn), restricted to the first
+    ``gpus_per_replica`` visible GPUs (``CUDA_VISIBLE_DEVICES``, set before CUDA starts; the
+    callers initialise no CUDA before). Otherwise each replica
     is a spawned process (``worker`` must be picklable: a module-level function or a
     ``functools.partial`` of one) that dies with this process, and pulls items from a
     shared queue until it is empty; replicas never take the same item. Replicas log to
@@ -111,10 +113,19 @@ def run_replicas(worker: Callable[[int, Iterator[int]], None], items: Sequence[i
     if len(items) < num_replicas:
         logger.info("%d chunk(s) to do: starting %d of %d replicas", len(items), max(len(items), 1), num_replicas)
         num_replicas = max(len(items), 1)
+    visible = visible_gpus()
     if num_replicas == 1:
+        if len(visible) > gpus_per_replica:  # use the GPUs the job declared, not every GPU of the host
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible[:gpus_per_replica])
+            logger.info(
+                "one replica on %d of %d visible GPUs: CUDA_VISIBLE_DEVICES=%s",
+                gpus_per_replica,
+                len(visible),
+                os.environ["CUDA_VISIBLE_DEVICES"],
+            )
         worker(0, iter(items))
         return
-    devices = replica_devices(num_replicas, gpus_per_replica, visible_gpus())
+    devices = replica_devices(num_replicas, gpus_per_replica, visible)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     for item in items:
