@@ -9,14 +9,12 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from train_support import write_random_train_inputs
 
 from eagle3_pipeline.config import validate_config
-from eagle3_pipeline.conventions import loss_mask
-from eagle3_pipeline.hidden_states import Sample, read_shard, run_extraction_shard, write_shard
-from eagle3_pipeline.io import save_npy_atomic
+from eagle3_pipeline.hidden_states import read_shard, run_extraction_shard
 from eagle3_pipeline.parallel import replica_devices, run_replicas, visible_gpus
 from eagle3_pipeline.training import run_training
-from eagle3_pipeline.vocab import build_mapping
 
 
 def test_replicas_get_consecutive_gpu_slices():
@@ -103,18 +101,7 @@ def test_data_parallel_extraction_equals_one_replica(tmp_path, target_dir):
 @pytest.fixture(scope="module")
 def train_inputs(tmp_path_factory, target_dir):
     d = tmp_path_factory.mktemp("ddp")
-    rng = np.random.default_rng(0)
-    samples, states = [], []
-    for i in range(16):
-        n_p, n_c = int(rng.integers(10, 40)), int(rng.integers(20, 60))
-        samples.append(Sample(f"{i:016x}", rng.integers(0, 600, size=n_p + n_c), loss_mask(n_p, n_c)))
-        states.append(torch.randn(n_p + n_c, 4, 576, dtype=torch.bfloat16))
-    write_shard(d / "shard.safetensors", samples, states, layer_ids=[2, 15, 27, 30], aux_layer_ids=[2, 15, 27], index_path=None)
-    counts = np.zeros(49152, dtype=np.int64)
-    counts[:600] = 1
-    d2t, t2d = build_mapping(counts, 512)
-    save_npy_atomic(d / "vocab" / "d2t.npy", d2t)
-    save_npy_atomic(d / "vocab" / "t2d.npy", t2d)
+    write_random_train_inputs(d, 16)
     return d
 
 
@@ -147,7 +134,7 @@ def _run(
     )["training"]
     summary = run_training(
         {
-            "shards": [str(d / "shard.safetensors")],
+            "shards": [str(d / "shard-00000.safetensors")],
             "vocab_dir": str(d / "vocab"),
             "target_path": str(target),
             "out_dir": str(d / name / "drafter"),

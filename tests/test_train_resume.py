@@ -8,15 +8,11 @@ import sys
 import textwrap
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import load_file
+from train_support import write_random_train_inputs
 
 from eagle3_pipeline.config import validate_config
-from eagle3_pipeline.conventions import loss_mask
-from eagle3_pipeline.hidden_states import Sample, write_shard
-from eagle3_pipeline.io import save_npy_atomic
-from eagle3_pipeline.vocab import build_mapping
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,25 +36,7 @@ def _train(work: Path, target: Path, env_extra: dict | None = None) -> subproces
 
 
 def test_killed_training_resumes_to_the_same_weights(tmp_path, target_dir):
-    rng = np.random.default_rng(0)
-    samples, states = [], []
-    for i in range(12):
-        n_p, n_c = int(rng.integers(10, 40)), int(rng.integers(20, 60))
-        samples.append(Sample(f"{i:016x}", rng.integers(0, 600, size=n_p + n_c), loss_mask(n_p, n_c)))
-        states.append(torch.randn(n_p + n_c, 4, 576, dtype=torch.bfloat16))
-    write_shard(
-        tmp_path / "shard-00000.safetensors",
-        samples,
-        states,
-        layer_ids=[2, 15, 27, 30],
-        aux_layer_ids=[2, 15, 27],
-        index_path=tmp_path / "shard-00000.index.json",
-    )
-    counts = np.zeros(49152, dtype=np.int64)
-    counts[:600] = 1
-    d2t, t2d = build_mapping(counts, 512)
-    save_npy_atomic(tmp_path / "vocab" / "d2t.npy", d2t)
-    save_npy_atomic(tmp_path / "vocab" / "t2d.npy", t2d)
+    write_random_train_inputs(tmp_path, 12)
 
     ref, killed = tmp_path / "ref", tmp_path / "killed"
     r = _train(ref, target_dir)

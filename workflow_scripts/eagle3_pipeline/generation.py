@@ -316,27 +316,6 @@ def _generation_replica(job: dict, rank: int, chunks) -> None:
     )
 
 
-def replica_stats(store_dir: Path) -> dict:
-    """Timing of a job's replicas (``replica-*.json`` in its chunk store), combined.
-
-    Returns ``{"model_load_seconds", "<work>_seconds", ...}`` where seconds are the
-    slowest replica's (replicas run side by side) and counts are summed, plus
-    ``"replicas"``: the per-replica records. Empty when no replica ran.
-    """
-    import json
-
-    recs = [json.loads(p.read_text()) for p in sorted(store_dir.glob("replica-*.json"))]
-    if not recs:
-        return {}
-    out: dict = {"replicas": recs}
-    for k in recs[0]:
-        if k == "rank":
-            continue
-        vals = [r[k] for r in recs]
-        out[k] = max(vals) if k.endswith("seconds") else sum(vals)
-    return out
-
-
 def run_generation_shard(
     prompts_path: str,
     out: dict,
@@ -376,7 +355,7 @@ def run_generation_shard(
 
     from .hygiene import check_gpus_free, cleanup_stale_processes, host_lock
     from .io import read_jsonl, sha256_file, sha256_json, write_json_atomic, write_jsonl_atomic
-    from .parallel import run_replicas
+    from .parallel import replica_stats, run_replicas
     from .resume import ChunkStore, chunk_ranges, todo_chunks
     from .runtime import Timer
     from .target_model import model_fingerprint

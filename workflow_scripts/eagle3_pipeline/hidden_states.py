@@ -450,10 +450,9 @@ def run_extraction_shard(
     import functools
 
     from .conventions import resolve_layer_ids
-    from .generation import replica_stats
     from .hygiene import check_disk, check_gpus_free, hidden_state_bytes, host_lock
     from .io import read_jsonl, sha256_file, sha256_json
-    from .parallel import run_replicas
+    from .parallel import replica_stats, run_replicas
     from .resume import ChunkStore, chunk_ranges, todo_chunks
     from .target_model import model_fingerprint, text_config
 

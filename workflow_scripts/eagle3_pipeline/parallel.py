@@ -25,6 +25,7 @@ import shutil
 import signal
 import subprocess
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -159,3 +160,24 @@ def run_replicas(worker: Callable[[int, Iterator[int]], None], items: Sequence[i
     if failed:
         r, code = failed[0]
         raise RuntimeError(f"data-parallel replica {r} failed (exit code {code}); its log lines above say why; finished chunks are kept")
+
+
+def replica_stats(store_dir: Path) -> dict:
+    """Timing of a job's replicas (``replica-*.json`` in its chunk store), combined.
+
+    Returns ``{"model_load_seconds", "<work>_seconds", ...}`` where seconds are the
+    slowest replica's (replicas run side by side) and counts are summed, plus
+    ``"replicas"``: the per-replica records. Empty when no replica ran.
+    """
+    import json
+
+    recs = [json.loads(p.read_text()) for p in sorted(store_dir.glob("replica-*.json"))]
+    if not recs:
+        return {}
+    out: dict = {"replicas": recs}
+    for k in recs[0]:
+        if k == "rank":
+            continue
+        vals = [r[k] for r in recs]
+        out[k] = max(vals) if k.endswith("seconds") else sum(vals)
+    return out
