@@ -62,6 +62,14 @@ TRAIN_PROCESSES = max(1, config["resources"]["train_gpus"])
 _DP_KEYS = ("data_parallel_size", "gpus_per_replica")
 VLLM_PARAMS = {k: v for k, v in _V.items() if k not in _DP_KEYS}
 EXTRACTION_PARAMS = {k: v for k, v in _X.items() if k not in _DP_KEYS}
+if _X["backend"] == "vllm":
+    # a vLLM replica is one engine: its GPUs are the engine's tensor x pipeline parallel size
+    if _X["gpus_per_replica"] != _ENGINE_GPUS:
+        raise WorkflowError(
+            f"extraction.gpus_per_replica={_X['gpus_per_replica']} but the vllm backend's replica is one engine "
+            f"of vllm.tensor_parallel_size x pipeline_parallel_size = {_ENGINE_GPUS} GPUs; set it to {_ENGINE_GPUS} or null"
+        )
+    EXTRACTION_PARAMS["engine"] = VLLM_PARAMS
 THREADS = config["resources"]["threads"]
 
 

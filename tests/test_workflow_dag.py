@@ -62,6 +62,18 @@ def test_typo_in_config_is_a_clear_error(tmp_path):
     assert "vocab: Additional properties are not allowed ('draft_vocab_sise' was unexpected)" in r.stdout + r.stderr
 
 
+def test_vllm_extraction_replica_is_one_engine(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"extraction": {"backend": "vllm", "gpus_per_replica": 2}}))
+    r = snakemake("-n", "--cores", "1", "--configfile", str(cfg), "-d", str(tmp_path / "wd"), "-s", str(ROOT / "Snakefile"))
+    assert r.returncode != 0
+    assert "extraction.gpus_per_replica=2 but the vllm backend's replica is one engine" in r.stdout + r.stderr
+    cfg.write_text(yaml.safe_dump({"extraction": {"backend": "vllm"}, "vllm": {"tensor_parallel_size": 2}}))
+    r = snakemake("-n", "--cores", "1", "--configfile", str(cfg), "-d", str(tmp_path / "wd"), "-s", str(ROOT / "Snakefile"))
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert re.search(r"rule extract_hidden_states:(?:(?!rule ).)*gpu=2", r.stdout, flags=re.S)
+
+
 def test_missing_target_dir_is_a_clear_error(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({"target": {"path": str(tmp_path / "nope")}}))

@@ -428,7 +428,12 @@ def run_extraction_shard(
     trust_remote_code: bool,
     host_lock_enabled: bool = True,
 ) -> dict:
-    """The extract_hidden_states job (``hf`` backend): resumable, optionally data-parallel extraction of one trace shard.
+    """The extract_hidden_states job: resumable, optionally data-parallel extraction of one trace shard.
+
+    Backends (``cfg["backend"]``): ``hf`` prefills with transformers in this process
+    (:func:`extract_hf`); ``vllm`` prefills with vLLM configured from ``cfg["engine"]``
+    (the ``vllm:`` section) and writes chunks from the engine
+    (:mod:`eagle3_pipeline.vllm_extraction`). Both write the same format.
 
     Samples (prompt + completion ids of each trace, in trace order) are extracted in
     chunks of ``cfg["chunk_samples"]``; each finished chunk is kept as its own shard file
@@ -482,17 +487,25 @@ def run_extraction_shard(
                 "cfg": cfg,
                 "samples": samples,
                 "ranges": ranges,
+                "todo": todo,
                 "out_shard": out_shard,
                 "target": target,
                 "trust_remote_code": trust_remote_code,
                 "layer_ids": layer_ids,
                 "aux": aux,
+                "engine": cfg.get("engine"),
+                "max_seq_len": max_seq_len,
             }
-            run_replicas(functools.partial(_extraction_replica, job), todo, replicas, cfg.get("gpus_per_replica") or 1)
+            if cfg["backend"] == "vllm":
+                from .vllm_extraction import _vllm_extraction_replica as worker
+            else:
+                worker = _extraction_replica
+            run_replicas(functools.partial(worker, job), todo, replicas, cfg.get("gpus_per_replica") or 1)
     stats = replica_stats(store.dir)
     index = merge_shards([store.path(i) for i in range(len(ranges))], out_shard)
     run_s = stats.get("extract_seconds", 0.0)
     index |= {
+        "backend": cfg["backend"],
         "chunks": len(ranges),
         "chunks_resumed": len(ranges) - len(todo),
         "data_parallel_size": replicas,
