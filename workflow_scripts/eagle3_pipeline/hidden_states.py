@@ -231,6 +231,7 @@ def write_shard(
     aux_layer_ids: Sequence[int],
     index_path: str | os.PathLike | None,
     storage_dtype: torch.dtype | None = None,
+    checksum: bool = True,
 ) -> dict:
     """Write one hidden-state shard (format in the module docstring) and its index, atomically.
 
@@ -238,6 +239,8 @@ def write_shard(
         states: per sample ``[T_i, L, H]``.
         storage_dtype: dtype to store (default: the states' own); ``torch.float8_e4m3fn``
             stores :func:`quantize_fp8` values plus ``hidden_states_scale`` float32 ``[T, L]``.
+        checksum: put the file's SHA-256 in the index (reads the file back; chunks that
+            are merged later skip it).
 
     Returns:
         the index dict (also written to ``index_path`` unless it is None).
@@ -253,7 +256,7 @@ def write_shard(
         tensors["hidden_states"], tensors["hidden_states_scale"] = quantize_fp8(hs)
     else:
         tensors["hidden_states"] = hs if storage_dtype is None else hs.to(storage_dtype)
-    return _save(path, tensors, [s.id for s in samples], layer_ids, aux_layer_ids, index_path)
+    return _save(path, tensors, [s.id for s in samples], layer_ids, aux_layer_ids, index_path, checksum=checksum)
 
 
 def merge_shards(paths: Sequence[str | os.PathLike], out_path: str | os.PathLike, index_path: str | os.PathLike | None = None) -> dict:
@@ -283,6 +286,8 @@ def _save(
     layer_ids: Sequence[int],
     aux_layer_ids: Sequence[int],
     index_path: str | os.PathLike | None,
+    *,
+    checksum: bool = True,
 ) -> dict:
     from safetensors.torch import save_file
 
@@ -307,7 +312,7 @@ def _save(
         "hidden_size": int(hs.shape[-1]),
         "dtype": str(hs.dtype).removeprefix("torch."),
         "bytes": os.path.getsize(path),
-        "sha256": sha256_file(path),
+        "sha256": sha256_file(path) if checksum else None,
         "samples": [{"id": i, "offset": o, "length": e - o} for i, o, e in zip(sample_ids, offsets[:-1], offsets[1:], strict=True)],
     }
     if index_path is not None:
@@ -406,7 +411,14 @@ def _extraction_replica(job: dict, rank: int, chunks) -> None:
         states = extract_hf(model, samples[a:b], job["layer_ids"], batch_tokens=cfg["batch_tokens"], storage_dtype=compute_dtype)
         with store.writing(i) as tmp:
             write_shard(
-                tmp, samples[a:b], states, layer_ids=job["layer_ids"], aux_layer_ids=job["aux"], index_path=None, storage_dtype=dtype
+                tmp,
+                samples[a:b],
+                states,
+                layer_ids=job["layer_ids"],
+                aux_layer_ids=job["aux"],
+                index_path=None,
+                storage_dtype=dtype,
+                checksum=False,
             )
         tokens += sum(len(s.input_ids) for s in samples[a:b])
         done += 1

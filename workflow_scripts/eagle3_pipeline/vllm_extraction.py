@@ -27,6 +27,7 @@ connector reorders them to ``layer_ids`` order.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -45,6 +46,8 @@ logger = logging.getLogger(__name__)
 #: Separator between a chunk path and a request's position in it (in ``hidden_states_path``).
 ROUTE_SEP = "::"
 CONNECTOR_NAME = "ChunkShardConnector"
+#: Chunks per ``generate`` call: the engine drains its batch at the end of each call.
+CHUNKS_PER_CALL = 4
 #: Seconds to wait, after the last chunk's prefill, for the engine to finish writing chunks.
 WRITE_TIMEOUT_S = 600.0
 
@@ -107,10 +110,13 @@ class ChunkAssembler:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: dict[str, tuple[dict, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
+        self._pending: dict[str, tuple[dict, dict[int, torch.Tensor]]] = {}
 
     def add(self, chunk_path: str, position: int, hidden_states: torch.Tensor, token_ids: torch.Tensor) -> bool:
         """Add one request's states; write the chunk when it was the last one.
+
+        The request's states are checked and reordered to ``layer_ids`` order at once, into
+        a new (pageable) tensor, so the engine's pinned copy buffer is released right away.
 
         Args:
             hidden_states: ``[T, L', H]`` as vLLM returns them (``L'`` = the
@@ -130,9 +136,11 @@ class ChunkAssembler:
                 if chunk_path not in self._pending:
                     self._pending[chunk_path] = (json.loads(spec_path(chunk_path).read_text()), {})
                 spec, parts = self._pending[chunk_path]
-                if not 0 <= position < len(spec["sample_ids"]):
-                    raise ValueError(f"{chunk_path}: position {position} outside the chunk's {len(spec['sample_ids'])} samples")
-                parts[position] = (hidden_states, token_ids)
+            if not 0 <= position < len(spec["sample_ids"]):
+                raise ValueError(f"{chunk_path}: position {position} outside the chunk's {len(spec['sample_ids'])} samples")
+            states = self._check(chunk_path, spec, position, hidden_states, token_ids)
+            with self._lock:
+                parts[position] = states
                 if len(parts) < len(spec["sample_ids"]):
                     return False
                 del self._pending[chunk_path]
@@ -145,39 +153,44 @@ class ChunkAssembler:
             raise
 
     @staticmethod
-    def _write(chunk_path: str, spec: dict, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _check(chunk_path: str, spec: dict, i: int, hs: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+        """Sample ``i``'s states in ``layer_ids`` order, after checking ids, shape and finiteness."""
+        sid = spec["sample_ids"][i]
+        engine_ids = engine_layer_ids(spec["layer_ids"])
+        ids = spec["input_ids"][i]
+        if tok.shape[0] != len(ids) or tok.tolist() != ids:
+            raise ValueError(
+                f"{chunk_path}: sample {sid}: the engine prefilled other token ids than the trace's ({tok.shape[0]} vs {len(ids)} tokens)"
+            )
+        if hs.shape[0] != len(ids) or hs.shape[1] != len(engine_ids):
+            raise ValueError(f"{chunk_path}: sample {sid}: states of shape {tuple(hs.shape)}, expected [{len(ids)}, {len(engine_ids)}, H]")
+        out = hs.index_select(1, torch.tensor([engine_ids.index(k) for k in spec["layer_ids"]]))
+        if not torch.isfinite(out).all():
+            raise FloatingPointError(f"sample {sid}: hidden states contain NaN/Inf")
+        return out
+
+    @staticmethod
+    def _write(chunk_path: str, spec: dict, parts: dict[int, torch.Tensor]) -> None:
         from .hidden_states import STORAGE_DTYPES, Sample, write_shard
 
-        engine_ids = engine_layer_ids(spec["layer_ids"])
-        order = torch.tensor([engine_ids.index(k) for k in spec["layer_ids"]])
-        dtype = STORAGE_DTYPES[spec["storage_dtype"]]
-        samples, states = [], []
-        for i, sid in enumerate(spec["sample_ids"]):
-            hs, tok = parts[i]
-            ids = np.asarray(spec["input_ids"][i], dtype=np.int64)
-            if tok.shape[0] != len(ids) or not np.array_equal(tok.numpy().astype(np.int64), ids):
-                raise ValueError(
-                    f"{chunk_path}: sample {sid}: the engine prefilled other token ids than the trace's ({tok.shape[0]} vs {len(ids)} tokens)"
-                )
-            if hs.shape[0] != len(ids) or hs.shape[1] != len(engine_ids):
-                raise ValueError(
-                    f"{chunk_path}: sample {sid}: states of shape {tuple(hs.shape)}, expected [{len(ids)}, {len(engine_ids)}, H]"
-                )
-            hs = hs.index_select(1, order)
-            if not torch.isfinite(hs).all():
-                raise FloatingPointError(f"sample {sid}: hidden states contain NaN/Inf")
-            mask = np.frombuffer(spec["loss_mask"][i].encode(), dtype=np.uint8) == ord("1")
-            samples.append(Sample(sid, ids, mask))
-            states.append(hs)
+        samples = [
+            Sample(
+                sid,
+                np.asarray(spec["input_ids"][i], dtype=np.int64),
+                np.frombuffer(spec["loss_mask"][i].encode(), dtype=np.uint8) == ord("1"),
+            )
+            for i, sid in enumerate(spec["sample_ids"])
+        ]
         with atomic_path(chunk_path, suffix=".safetensors") as tmp:
             write_shard(
                 tmp,
                 samples,
-                states,
+                [parts[i] for i in range(len(samples))],
                 layer_ids=spec["layer_ids"],
                 aux_layer_ids=spec["aux_layer_ids"],
                 index_path=None,
-                storage_dtype=dtype,
+                storage_dtype=STORAGE_DTYPES[spec["storage_dtype"]],
+                checksum=False,
             )
         spec_path(chunk_path).unlink(missing_ok=True)
 
@@ -296,9 +309,9 @@ def wait_for_chunks(paths: Sequence[Path], *, timeout_s: float, poll_s: float = 
 def _vllm_extraction_replica(job: dict, rank: int, chunks) -> None:
     """One vLLM engine of an extraction job: prefill the chunks it takes from ``chunks``.
 
-    Each chunk is one ``generate`` call of ``max_tokens=1`` requests (the sampled token
-    is discarded); the engine writes the chunk shard asynchronously while the next chunk
-    runs. Writes ``replica-<rank>.json`` (model load seconds, extract seconds, tokens)
+    Chunks go to the engine :data:`CHUNKS_PER_CALL` at a time, as one ``generate`` call of
+    ``max_tokens=1`` requests (the sampled token is discarded); the engine writes each
+    chunk shard asynchronously as soon as its last request is done, while the rest run. Writes ``replica-<rank>.json`` (model load seconds, extract seconds, tokens)
     into the job's chunk store, like the ``hf`` backend.
     """
     from vllm import SamplingParams, TokensPrompt
@@ -332,26 +345,31 @@ def _vllm_extraction_replica(job: dict, rank: int, chunks) -> None:
         unit_scale=True,
     )
     try:
-        for i in chunks:
-            a, b = ranges[i]
-            path = store.path(i)
-            write_chunk_spec(path, samples[a:b], layer_ids=job["layer_ids"], aux_layer_ids=job["aux"], storage_dtype=cfg["storage_dtype"])
-            prompts = [TokensPrompt(prompt_token_ids=s.input_ids.tolist()) for s in samples[a:b]]
-            params = [
-                SamplingParams(
-                    max_tokens=1,
-                    temperature=0.0,
-                    detokenize=False,
-                    extra_args={"kv_transfer_params": {"hidden_states_path": route(path, k)}},
+        chunks = iter(chunks)
+        while group := list(itertools.islice(chunks, CHUNKS_PER_CALL)):
+            prompts, params = [], []
+            for i in group:
+                a, b = ranges[i]
+                path = store.path(i)
+                write_chunk_spec(
+                    path, samples[a:b], layer_ids=job["layer_ids"], aux_layer_ids=job["aux"], storage_dtype=cfg["storage_dtype"]
                 )
-                for k in range(b - a)
-            ]
+                prompts += [TokensPrompt(prompt_token_ids=s.input_ids.tolist()) for s in samples[a:b]]
+                params += [
+                    SamplingParams(
+                        max_tokens=1,
+                        temperature=0.0,
+                        detokenize=False,
+                        extra_args={"kv_transfer_params": {"hidden_states_path": route(path, k)}},
+                    )
+                    for k in range(b - a)
+                ]
+                written.append(path)
             llm.generate(prompts, params, use_tqdm=False)
-            n = sum(len(s.input_ids) for s in samples[a:b])
+            n = sum(len(p["prompt_token_ids"]) for p in prompts)
             tokens += n
             bar.update(n)
-            written.append(path)
-            logger.info("chunk %d/%d prefilled (samples %d-%d)", i + 1, len(ranges), a, b - 1)
+            logger.info("chunks %s of %d prefilled", [i + 1 for i in group], len(ranges))
         wait_for_chunks(written, timeout_s=WRITE_TIMEOUT_S)
     finally:
         bar.close()
