@@ -592,7 +592,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--steps", type=int, default=0, help="training steps (0: one epoch)")
     ap.add_argument("--draft-vocab", type=int, default=32000)
-    ap.add_argument("--gen-prompts", type=int, default=64)
+    ap.add_argument("--gen-prompts", type=int, default=512, help="generation: prompts per chunk (the config default)")
     ap.add_argument("--only", nargs="*", help="all: these phases only")
     args = ap.parse_args()
     if args.phase != "all":
