@@ -266,8 +266,9 @@ def m_speculators(args) -> dict:
         {
             "input_ids": [s.input_ids.tolist() for s in samples],
             "loss_mask": [s.loss_mask.astype("int64").tolist() for s in samples],
+            "seq_len": [len(s.input_ids) for s in samples],  # the columns speculators prepare-data writes
         }
-    ).save_to_disk(str(data))
+    ).with_format("torch").save_to_disk(str(data))  # speculators reads tensors (.tolist())
     spec = {
         "method": "extract_hidden_states",
         "num_speculative_tokens": 1,
@@ -485,7 +486,7 @@ def gen_ours(args) -> dict:
 def _gen_prompts(work: Path, path: Path) -> None:
     from eagle3_pipeline.io import read_jsonl
 
-    rows = list(read_jsonl(work / "prompts.jsonl"))[:256]
+    rows = [{"source": "sharegpt"} | r for r in list(read_jsonl(work / "prompts.jsonl"))[:256]]
     with open(path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
 
@@ -511,9 +512,10 @@ def gen_plain(args) -> dict:
         enable_prefix_caching=v["enable_prefix_caching"],
     )
     load = time.perf_counter() - t
+    from eagle3_pipeline.generation import render_prompt_ids
+
     tok = llm.get_tokenizer()
-    ids = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True) for m in msgs]
-    ids = [x["input_ids"] if isinstance(x, dict) else x for x in ids]
+    ids = [render_prompt_ids(tok, m, None) for m in msgs]  # the same rendering as generate_traces
     from vllm import TokensPrompt
 
     t = time.perf_counter()
@@ -574,7 +576,7 @@ def summarize(res: dict) -> dict:
         ratio["train_drafter / speculators train, steady state (goal >= 1.0)"] = (
             tr_o["steady_tokens_per_second"] / tr_s["steady_tokens_per_second"]
         )
-    if isinstance(res.get("gen_ours"), dict) and isinstance(res.get("gen_plain"), dict):
+    if "generate_seconds" in (res.get("gen_ours") or {}) and "tokens_per_second" in (res.get("gen_plain") or {}):
         g = res["gen_ours"]
         ours = g.get("completion_tokens", 0) / g["generate_seconds"] if g.get("generate_seconds") else 0
         ratio["generate_traces / plain vLLM generate (goal >= 0.95)"] = ours / res["gen_plain"]["tokens_per_second"]
