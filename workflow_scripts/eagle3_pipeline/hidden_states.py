@@ -207,13 +207,17 @@ def extract_hf(
             for r, i in enumerate(batch):
                 ids[r, : lengths[i]] = torch.from_numpy(samples[i].input_ids)
                 attn[r, : lengths[i]] = 1
-            base(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False)
+            attn = attn.to(device)
+            base(input_ids=ids.to(device), attention_mask=attn, use_cache=False)
             states = cap.stacked()  # [B, T, L, H]
+            # one finiteness check and one device-to-host copy per batch (not per sample)
+            bad = (~torch.isfinite(states).flatten(2).all(-1)) & attn.bool()  # [B, T]
+            if bad.any():
+                r = int(bad.any(-1).nonzero()[0])
+                raise FloatingPointError(f"sample {samples[batch[r]].id}: hidden states contain NaN/Inf")
+            host = states.to("cpu", storage_dtype)
             for r, i in enumerate(batch):
-                s = states[r, : lengths[i]]
-                if not torch.isfinite(s).all():
-                    raise FloatingPointError(f"sample {samples[i].id}: hidden states contain NaN/Inf")
-                out[i] = s.to("cpu", storage_dtype)
+                out[i] = host[r, : lengths[i]]
             cap.captured.clear()
             bar.update(sum(lengths[i] for i in batch))
         bar.close()
@@ -391,6 +395,8 @@ def _extraction_replica(job: dict, rank: int, chunks) -> None:
     (:func:`eagle3_pipeline.parallel.run_replicas`); writes each chunk atomically into
     the job's chunk store and its timing to ``replica-<rank>.json`` there.
     """
+    from concurrent.futures import ThreadPoolExecutor
+
     from .io import write_json_atomic
     from .resume import ChunkStore
     from .runtime import Timer
@@ -406,9 +412,8 @@ def _extraction_replica(job: dict, rank: int, chunks) -> None:
     load_s = load.seconds
     run = Timer()
     tokens = done = 0
-    for i in chunks:
-        a, b = ranges[i]
-        states = extract_hf(model, samples[a:b], job["layer_ids"], batch_tokens=cfg["batch_tokens"], storage_dtype=compute_dtype)
+
+    def write(i: int, a: int, b: int, states: list[torch.Tensor]) -> None:
         with store.writing(i) as tmp:
             write_shard(
                 tmp,
@@ -420,9 +425,21 @@ def _extraction_replica(job: dict, rank: int, chunks) -> None:
                 storage_dtype=dtype,
                 checksum=False,
             )
-        tokens += sum(len(s.input_ids) for s in samples[a:b])
-        done += 1
         logger.info("chunk %d/%d done (samples %d-%d)", i + 1, len(ranges), a, b - 1)
+
+    # a chunk is written by a background thread while the next one is extracted (one in flight)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as pool:
+        pending = None
+        for i in chunks:
+            a, b = ranges[i]
+            states = extract_hf(model, samples[a:b], job["layer_ids"], batch_tokens=cfg["batch_tokens"], storage_dtype=compute_dtype)
+            if pending is not None:
+                pending.result()
+            pending = pool.submit(write, i, a, b, states)
+            tokens += sum(len(s.input_ids) for s in samples[a:b])
+            done += 1
+        if pending is not None:
+            pending.result()
     extract_s = run.seconds
     del model  # give the GPU memory back before the job's next model (or a vLLM engine) loads
     if torch.cuda.is_available():
