@@ -146,6 +146,8 @@ def test_vllm_backend_matches_hf_backend_and_an_fp32_forward(tmp_path, target_di
         )
     assert idx["vllm"]["backend"] == "vllm" and idx["vllm"]["chunks"] == 3
     assert idx["vllm"]["model_load_seconds"] > 0 and idx["vllm"]["tokens_per_second"] > 0
+    rep = idx["vllm"]["replicas"][0]
+    assert 0 < rep["prefill_seconds"] <= rep["extract_seconds"] and rep["write_wait_seconds"] >= 0
     assert not list(tmp_path.glob(".vllm.safetensors.partial"))  # chunk store removed
     sh, hh, layers, aux = read_shard(tmp_path / "hf.safetensors")
     sv, hv, layers_v, aux_v = read_shard(tmp_path / "vllm.safetensors")

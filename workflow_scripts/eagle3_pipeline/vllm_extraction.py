@@ -181,6 +181,7 @@ class ChunkAssembler:
             )
             for i, sid in enumerate(spec["sample_ids"])
         ]
+        t = time.perf_counter()
         with atomic_path(chunk_path, suffix=".safetensors") as tmp:
             write_shard(
                 tmp,
@@ -193,6 +194,11 @@ class ChunkAssembler:
                 checksum=False,
             )
         spec_path(chunk_path).unlink(missing_ok=True)
+        s = time.perf_counter() - t
+        size = os.path.getsize(chunk_path)
+        logger.info(
+            "wrote %s: %d samples, %.0f MB in %.2f s (%.0f MB/s)", chunk_path, len(samples), size / 1e6, s, size / 1e6 / max(s, 1e-9)
+        )
 
 
 class _Done:
@@ -336,6 +342,7 @@ def _vllm_extraction_replica(job: dict, rank: int, chunks) -> None:
     )
     load_s = load.seconds
     run = Timer()
+    prefill_s = wait_s = 0.0  # inside generate calls; waiting for the engine's last chunk writes
     tokens = 0
     written: list[Path] = []
     bar = progress(
@@ -365,16 +372,28 @@ def _vllm_extraction_replica(job: dict, rank: int, chunks) -> None:
                     for k in range(b - a)
                 ]
                 written.append(path)
+            t = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
+            prefill_s += time.perf_counter() - t
             n = sum(len(p["prompt_token_ids"]) for p in prompts)
             tokens += n
             bar.update(n)
             logger.info("chunks %s of %d prefilled", [i + 1 for i in group], len(ranges))
+        t = time.perf_counter()
         wait_for_chunks(written, timeout_s=WRITE_TIMEOUT_S)
+        wait_s = time.perf_counter() - t
     finally:
         bar.close()
         shutdown_llm(llm)
     write_json_atomic(
         store.dir / f"replica-{rank}.json",
-        {"rank": rank, "chunks": len(written), "model_load_seconds": load_s, "extract_seconds": run.seconds, "tokens": tokens},
+        {
+            "rank": rank,
+            "chunks": len(written),
+            "model_load_seconds": load_s,
+            "extract_seconds": run.seconds,
+            "prefill_seconds": prefill_s,
+            "write_wait_seconds": wait_s,
+            "tokens": tokens,
+        },
     )
