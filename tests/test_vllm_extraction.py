@@ -130,7 +130,12 @@ def test_vllm_backend_matches_hf_backend_and_an_fp32_forward(tmp_path, target_di
             p = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)["input_ids"]
             c = tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             f.write(json.dumps({"id": f"{i:016x}", "prompt_token_ids": p, "completion_token_ids": c}) + "\n")
-    cfg = validate_config({"extraction": {"chunk_samples": 3, "aux_layer_ids": [15, 2, 27]}, "vllm": {"cpu_kvcache_space_gib": 1, "gpu_memory_utilization": 0.5}})
+    cfg = validate_config(
+        {
+            "extraction": {"chunk_samples": 3, "aux_layer_ids": [15, 2, 27]},
+            "vllm": {"cpu_kvcache_space_gib": 1, "gpu_memory_utilization": 0.5},
+        }
+    )
     ex = cfg["extraction"] | {"data_parallel_size": 1, "gpus_per_replica": 1}
     idx = {}
     for backend in ("hf", "vllm"):
