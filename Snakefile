@@ -17,6 +17,11 @@ include: "rules/train_drafter.smk"
 include: "rules/evaluate_drafter.smk"
 include: "rules/summarize_run.smk"
 include: "rules/verify.smk"
+include: "rules/plan.smk"
+
+
+onstart:
+    print_plan()
 
 
 rule all:

@@ -185,3 +185,24 @@ check_config_against_target()
 
 def get_final_outputs():
     return [f"results/{RUN}/eval/acceptance.json", f"results/{RUN}/summary.json"]
+
+
+def print_plan():
+    """Before a run: print the plan of its pending stages and keep it as results/<run>/plan.json."""
+    from eagle3_pipeline.io import write_json_atomic
+    from eagle3_pipeline.plan import format_plan, plan_dict, plan_run
+
+    try:
+        target = None if is_builtin_target() else get_target_dir()
+        stages, platform = plan_run(config, target, f"results/{RUN}")
+    except Exception as e:  # a plan is advice: never stop a run over it
+        print(f"(no plan: {type(e).__name__}: {e})", file=sys.stderr)
+        return
+    if all(s.done for s in stages):
+        return
+    write_json_atomic(f"results/{RUN}/plan.json", plan_dict(stages, platform))
+    print(
+        f"plan for run {RUN!r} on {platform} (estimates; `snakemake plan` writes results/{RUN}/plan.json):\n"
+        + format_plan(stages),
+        file=sys.stderr,
+    )

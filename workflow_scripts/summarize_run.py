@@ -3,6 +3,7 @@
 import logging
 
 from eagle3_pipeline.io import write_json_atomic
+from eagle3_pipeline.plan import estimate_vs_actual
 from eagle3_pipeline.runtime import start_log
 from eagle3_pipeline.summary import summarize
 
@@ -12,6 +13,8 @@ if __name__ == "__main__":
     s = summarize(
         sm.input.prompts, list(sm.input.traces), sm.input.coverage, list(sm.input.hidden_indexes), sm.input.train, sm.input.acceptance
     )
+    # the plan printed at the start of the run (results/<run>/plan.json), against what happened
+    s["estimate_vs_actual"] = estimate_vs_actual(sm.params.plan_json, sm.params.run_dir)
     write_json_atomic(sm.output[0], s)
     log = logging.getLogger("summarize_run")
     log.info("prompts: %d kept of %d read, rejects %s", s["prompts"]["kept"], s["prompts"]["read"], s["prompts"]["rejects_by_reason"])
@@ -22,3 +25,5 @@ if __name__ == "__main__":
         s["generation"]["rejects_by_reason"],
     )
     log.info("acceptance length tau = %.3f", s["evaluation"]["acceptance_length"])
+    for r in s["estimate_vs_actual"]:
+        log.info("%-22s estimated %8.1f s, took %s s (%s)", r["stage"], r["estimated_seconds"], r["actual_seconds"], r["source"])
