@@ -70,6 +70,9 @@ if _X["backend"] == "vllm":
             f"of vllm.tensor_parallel_size x pipeline_parallel_size = {_ENGINE_GPUS} GPUs; set it to {_ENGINE_GPUS} or null"
         )
     EXTRACTION_PARAMS["engine"] = VLLM_PARAMS
+    # transformers-only settings do not change what vLLM writes: no rerun when they change
+    for _k in ("batch_tokens", "device"):
+        EXTRACTION_PARAMS.pop(_k)
 THREADS = config["resources"]["threads"]
 
 

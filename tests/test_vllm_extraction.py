@@ -11,7 +11,15 @@ import torch
 
 from eagle3_pipeline.config import validate_config
 from eagle3_pipeline.conventions import loss_mask
-from eagle3_pipeline.hidden_states import Sample, ShardReader, extract_hf, load_hf_target, read_shard, run_extraction_shard
+from eagle3_pipeline.hidden_states import (
+    Sample,
+    ShardReader,
+    extract_hf,
+    extraction_fingerprint,
+    load_hf_target,
+    read_shard,
+    run_extraction_shard,
+)
 from eagle3_pipeline.vllm_extraction import (
     ChunkAssembler,
     engine_layer_ids,
@@ -174,3 +182,16 @@ def test_vllm_backend_matches_hf_backend_and_an_fp32_forward(tmp_path, target_di
         assert max_diff <= 16 * ulp, f"layer {layer}: max |vllm - hf| = {max_diff} > 16 ulp ({ulp})"
     # the comparison discriminates: the layers differ from one another by far more than the tolerance
     assert (V[:, 0] - H[:, 1]).abs().max().item() > 100 * _bf16_ulp(H[:, 1].abs().max().item())
+
+
+def test_resumed_chunks_never_mix_backends(tmp_path, target_dir):
+    traces = tmp_path / "t.jsonl"
+    traces.write_text(json.dumps({"id": "a", "prompt_token_ids": [1, 2, 3], "completion_token_ids": [4, 5]}) + "\n")
+    cfg = validate_config({})["extraction"]
+
+    def fp(**kw):
+        return extraction_fingerprint(str(traces), str(target_dir), cfg | kw, 2048)
+
+    assert fp(backend="hf") != fp(backend="vllm")
+    assert fp(backend="vllm") == fp(backend="vllm", batch_tokens=1, device="cpu", data_parallel_size=4)
+    assert fp() != fp(storage_dtype="float8_e4m3fn") and fp() != fp(chunk_samples=7)

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from .conventions import loss_mask
-from .io import atomic_path, sha256_file, write_json_atomic
+from .io import _umask, atomic_path, sha256_file, write_json_atomic
 from .runtime import progress
 
 logger = logging.getLogger(__name__)
@@ -303,6 +303,7 @@ def _save(
     }
     with atomic_path(path, suffix=".safetensors") as tmp:
         save_file(tensors, str(tmp), metadata=meta)
+        os.chmod(tmp, 0o666 & ~_umask())  # safetensors may write a fresh 0600 file
     offsets = tensors["offsets"].tolist()
     hs = tensors["hidden_states"]
     index = {
@@ -450,6 +451,21 @@ def _extraction_replica(job: dict, rank: int, chunks) -> None:
     )
 
 
+def extraction_fingerprint(traces_path: str, target: str, cfg: dict, max_seq_len: int) -> str:
+    """Identity (hex SHA-256) of what an extraction job's chunks contain.
+
+    Covers the traces' bytes, the target's fingerprint, the backend, layer ids, storage
+    dtype, chunk size and ``max_seq_len``: a resume keeps chunks only when all match, so a
+    shard never mixes backends. Batch size, device and replica counts are left out (they
+    do not change which states are written).
+    """
+    from .io import sha256_file, sha256_json
+    from .target_model import model_fingerprint
+
+    params = {k: cfg[k] for k in ("backend", "aux_layer_ids", "storage_dtype", "chunk_samples")} | {"max_seq_len": max_seq_len}
+    return sha256_json({"traces": sha256_file(traces_path), "model": model_fingerprint(target), "params": params})
+
+
 def run_extraction_shard(
     traces_path: str,
     out_shard: str,
@@ -488,11 +504,11 @@ def run_extraction_shard(
     import functools
 
     from .conventions import resolve_layer_ids
-    from .hygiene import check_disk, check_gpus_free, hidden_state_bytes, host_lock
-    from .io import read_jsonl, sha256_file, sha256_json
+    from .hygiene import check_disk, check_gpus_free, cleanup_stale_processes, hidden_state_bytes, host_lock
+    from .io import read_jsonl
     from .parallel import replica_stats, run_replicas
     from .resume import ChunkStore, chunk_ranges, todo_chunks
-    from .target_model import model_fingerprint, text_config
+    from .target_model import text_config
 
     tcfg = text_config(target, trust_remote_code)
     aux, layer_ids = resolve_layer_ids(cfg["aux_layer_ids"], tcfg.num_hidden_layers)
@@ -505,8 +521,7 @@ def run_extraction_shard(
         check_disk(
             out_shard, 2 * need, what=f"extraction of {traces_path} (chunks + final shard)", override_key="extraction.disk_preflight"
         )
-    params = {k: cfg[k] for k in ("aux_layer_ids", "storage_dtype", "chunk_samples")} | {"max_seq_len": max_seq_len}
-    fingerprint = sha256_json({"traces": sha256_file(traces_path), "model": model_fingerprint(target), "params": params})
+    fingerprint = extraction_fingerprint(traces_path, target, cfg, max_seq_len)
     store = ChunkStore(out_shard, fingerprint, ".safetensors")
     for old in store.dir.glob("replica-*.json"):
         old.unlink()
@@ -515,6 +530,7 @@ def run_extraction_shard(
     replicas = cfg.get("data_parallel_size") or 1
     if todo:
         with host_lock(enabled=host_lock_enabled):
+            cleanup_stale_processes(Path(out_shard).parents[1] / ".pids")  # engines of a killed earlier job
             check_gpus_free()
             job = {
                 "cfg": cfg,

@@ -219,9 +219,9 @@ def check_gpus_free() -> None:
     """
     procs = [p for p in gpu_processes() if p["pid"] != os.getpid()]
     if procs:
-        lines = "\\n".join(f"  pid {p['pid']} ({p['used_mib']} MiB on {p['gpu_uuid']}): {p['cmdline']}" for p in procs)
+        lines = "\n".join(f"  pid {p['pid']} ({p['used_mib']} MiB on {p['gpu_uuid']}): {p['cmdline']}" for p in procs)
         raise RuntimeError(
-            "the GPUs this full-model stage needs are in use by:\\n"
+            "the GPUs this full-model stage needs are in use by:\n"
             + lines
-            + "\\nstop those processes (e.g. a vLLM server left running) and rerun"
+            + "\nstop those processes (e.g. a vLLM server left running) and rerun"
         )

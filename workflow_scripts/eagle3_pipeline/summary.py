@@ -51,6 +51,7 @@ def summarize(prompts: str, traces: list[str], coverage: str, hidden_indexes: li
             "tokens": sum(h["num_tokens"] for h in hs),
             "bytes": sum(h["bytes"] for h in hs),
             "layer_ids": hs[0]["layer_ids"] if hs else [],
+            "backend": hs[0].get("backend") if hs else None,
         },
         "training": {k: tr.get(k) for k in ("steps", "tokens_seen", "tokens_per_second", "final_val")},
         "evaluation": {k: acc[k] for k in ("acceptance_length", "per_position_acceptance_rate", "num_prompts", "num_drafts")},

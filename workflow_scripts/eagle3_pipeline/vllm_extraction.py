@@ -323,6 +323,7 @@ def _vllm_extraction_replica(job: dict, rank: int, chunks) -> None:
     from vllm import SamplingParams, TokensPrompt
 
     from .engine import build_llm, shutdown_llm
+    from .hygiene import ProcessRecord
     from .io import write_json_atomic
     from .resume import ChunkStore
     from .runtime import Timer, progress
@@ -341,6 +342,10 @@ def _vllm_extraction_replica(job: dict, rank: int, chunks) -> None:
         **engine_overrides(job["layer_ids"]),
     )
     load_s = load.seconds
+    # the engine's processes, ended by the next full-model job if this one is killed
+    stem = Path(job["out_shard"]).name.removesuffix(".safetensors")
+    pids = ProcessRecord(Path(job["out_shard"]).parents[1] / ".pids", f"extract-{stem}" if rank == 0 else f"extract-{stem}.replica{rank}")
+    pids.record()
     run = Timer()
     prefill_s = wait_s = 0.0  # inside generate calls; waiting for the engine's last chunk writes
     tokens = 0
@@ -382,16 +387,18 @@ def _vllm_extraction_replica(job: dict, rank: int, chunks) -> None:
         t = time.perf_counter()
         wait_for_chunks(written, timeout_s=WRITE_TIMEOUT_S)
         wait_s = time.perf_counter() - t
+        extract_s = run.seconds  # before the engine's shutdown (seconds), like the hf backend
     finally:
         bar.close()
         shutdown_llm(llm)
+        pids.clear()
     write_json_atomic(
         store.dir / f"replica-{rank}.json",
         {
             "rank": rank,
             "chunks": len(written),
             "model_load_seconds": load_s,
-            "extract_seconds": run.seconds,
+            "extract_seconds": extract_s,
             "prefill_seconds": prefill_s,
             "write_wait_seconds": wait_s,
             "tokens": tokens,
