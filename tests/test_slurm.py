@@ -177,11 +177,11 @@ def test_full_model_jobs_are_not_serialized_by_the_workflow_on_slurm(slurm_run):
 
 
 def _json_without_run_specifics(path: Path, wd: Path):
-    """JSON with wall-clock figures dropped and the run directory replaced by <wd>."""
+    """JSON with wall-clock and memory figures dropped and the run directory replaced by <wd>."""
 
     def norm(x):
         if isinstance(x, dict):
-            return {k: norm(v) for k, v in x.items() if not re.search(r"seconds|per_second", k)}
+            return {k: norm(v) for k, v in x.items() if not re.search(r"seconds|per_second|over_estimate|peak_", k)}
         if isinstance(x, list):
             return [norm(v) for v in x]
         return x.replace(str(wd), "<wd>") if isinstance(x, str) else x

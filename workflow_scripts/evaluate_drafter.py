@@ -7,7 +7,7 @@ from eagle3_pipeline.engine import build_llm, engine_identity, shutdown_llm
 from eagle3_pipeline.evaluation import run_eval
 from eagle3_pipeline.hygiene import ProcessRecord, check_gpus_free, cleanup_stale_processes, host_lock
 from eagle3_pipeline.io import read_json, read_jsonl, write_json_atomic, write_jsonl_atomic
-from eagle3_pipeline.runtime import Timer, start_log
+from eagle3_pipeline.runtime import Timer, peak_memory, start_log
 from eagle3_pipeline.target_model import load_tokenizer
 
 if __name__ == "__main__":
@@ -51,7 +51,7 @@ if __name__ == "__main__":
         "model_load_seconds": round(load_s, 3),
         "seconds": round(eval_s, 3),
         "offline_validation": train_summary.get("final_val", {}),
-    }
+    } | peak_memory()
     write_jsonl_atomic(sm.output.outputs, rows)
     write_json_atomic(sm.output.acceptance, report)
     logging.getLogger("evaluate_drafter").info(

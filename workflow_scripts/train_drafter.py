@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from eagle3_pipeline.io import write_json_atomic
-from eagle3_pipeline.runtime import start_log
+from eagle3_pipeline.runtime import peak_memory, start_log
 from eagle3_pipeline.training import run_training
 
 if __name__ == "__main__":
@@ -27,5 +27,5 @@ if __name__ == "__main__":
         },
         sm.params.train_processes,
     )
-    write_json_atomic(sm.output.summary, summary)
+    write_json_atomic(sm.output.summary, summary | peak_memory())
     logging.getLogger("train_drafter").info("training: %s", summary)

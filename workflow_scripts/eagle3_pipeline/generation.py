@@ -357,7 +357,7 @@ def run_generation_shard(
     from .io import read_jsonl, sha256_file, sha256_json, write_json_atomic, write_jsonl_atomic
     from .parallel import replica_stats, run_replicas
     from .resume import ChunkStore, chunk_ranges, todo_chunks
-    from .runtime import Timer
+    from .runtime import Timer, peak_memory
     from .target_model import model_fingerprint
 
     records = sorted(read_jsonl(prompts_path), key=lambda r: r["id"])
@@ -397,19 +397,23 @@ def run_generation_shard(
     write_jsonl_atomic(out["rejects"], (r.as_dict() for r in result.rejects))
     write_jsonl_atomic(out["traces"], result.traces)
     gen_s = stats.get("generate_seconds", 0.0)
-    summary = result.summary() | {
-        "chunks": len(ranges),
-        "chunks_resumed": len(ranges) - len(todo),
-        "data_parallel_size": vcfg["data_parallel_size"],
-        "tensor_parallel_size": vcfg["tensor_parallel_size"],
-        "pipeline_parallel_size": vcfg["pipeline_parallel_size"],
-        "model_load_seconds": round(stats.get("model_load_seconds", 0.0), 3),
-        "generate_seconds": round(gen_s, 3),
-        "engine_wall_seconds": round(wall_s, 3) if todo else 0.0,
-        "completion_tokens_per_second": stats.get("completion_tokens", 0) / gen_s if gen_s else 0.0,
-        "replicas": stats.get("replicas", []),
-        "traces_sha256": sha256_file(out["traces"]),
-    }
+    summary = (
+        result.summary()
+        | {
+            "chunks": len(ranges),
+            "chunks_resumed": len(ranges) - len(todo),
+            "data_parallel_size": vcfg["data_parallel_size"],
+            "tensor_parallel_size": vcfg["tensor_parallel_size"],
+            "pipeline_parallel_size": vcfg["pipeline_parallel_size"],
+            "model_load_seconds": round(stats.get("model_load_seconds", 0.0), 3),
+            "generate_seconds": round(gen_s, 3),
+            "engine_wall_seconds": round(wall_s, 3) if todo else 0.0,
+            "completion_tokens_per_second": stats.get("completion_tokens", 0) / gen_s if gen_s else 0.0,
+            "replicas": stats.get("replicas", []),
+            "traces_sha256": sha256_file(out["traces"]),
+        }
+        | peak_memory()
+    )
     write_json_atomic(out["summary"], summary)
     store.remove()
     logger.info("generation: %s", {k: v for k, v in summary.items() if k != "replicas"})

@@ -508,6 +508,7 @@ def run_extraction_shard(
     from .io import read_jsonl
     from .parallel import replica_stats, run_replicas
     from .resume import ChunkStore, chunk_ranges, todo_chunks
+    from .runtime import peak_memory
     from .target_model import text_config
 
     tcfg = text_config(target, trust_remote_code)
@@ -563,6 +564,7 @@ def run_extraction_shard(
         "tokens_per_second": stats.get("tokens", 0) / run_s if run_s else 0.0,
         "replicas": stats.get("replicas", []),
     }
+    index |= peak_memory()
     write_json_atomic(out_index, index)
     store.remove()
     return index

@@ -108,6 +108,28 @@ class Timer:
         return time.perf_counter() - self.start
 
 
+def peak_memory() -> dict:
+    """Peak memory of this stage so far, for its metrics file.
+
+    Returns:
+        ``peak_rss_bytes``: this process (Linux ``ru_maxrss``); ``peak_child_rss_bytes``:
+        the largest finished child process (a vLLM engine core or worker, a replica), 0 if
+        none; ``peak_gpu_allocated_bytes``: what torch allocated on the GPU in this process
+        (``torch.cuda.max_memory_allocated``), None when this process did not use CUDA
+        (vLLM's GPU memory is its engine's, reported in its log).
+    """
+    import resource
+    import sys
+
+    torch = sys.modules.get("torch")
+    gpu = torch.cuda.max_memory_allocated() if torch is not None and torch.cuda.is_initialized() else None
+    return {
+        "peak_rss_bytes": peak_rss_bytes(),
+        "peak_child_rss_bytes": int(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) * 1024,
+        "peak_gpu_allocated_bytes": gpu,
+    }
+
+
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process so far, in bytes (Linux ``ru_maxrss``)."""
     import resource
