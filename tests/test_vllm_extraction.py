@@ -4,6 +4,7 @@ test runs on a GPU host, see benchmarks/README.md)."""
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -195,3 +196,55 @@ def test_resumed_chunks_never_mix_backends(tmp_path, target_dir):
     assert fp(backend="hf") != fp(backend="vllm")
     assert fp(backend="vllm") == fp(backend="vllm", batch_tokens=1, device="cpu", data_parallel_size=4)
     assert fp() != fp(storage_dtype="float8_e4m3fn") and fp() != fp(chunk_samples=7)
+
+
+def test_engines_of_a_killed_vllm_extraction_are_ended_by_the_next_job(tmp_path, target_dir):
+    """SIGKILL of the job process alone (an OOM kill) leaves vLLM's engine processes; the job
+    records them, and the next full-model job's cleanup ends exactly those."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from eagle3_pipeline.hygiene import cleanup_stale_processes
+
+    res = tmp_path / "results" / "r"
+    (res / "traces").mkdir(parents=True)
+    traces = res / "traces" / "shard-00000.jsonl"
+    with open(traces, "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"id": f"{i:016x}", "prompt_token_ids": list(range(10 + i, 400 + i)), "completion_token_ids": [5] * 40}) + "\n")
+    cfg = validate_config({"extraction": {"backend": "vllm", "chunk_samples": 2}, "vllm": {"cpu_kvcache_space_gib": 1}})
+    ex = cfg["extraction"] | {"data_parallel_size": 1, "gpus_per_replica": 1, "engine": cfg["vllm"]}
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1])\n"
+        "from eagle3_pipeline.hidden_states import run_extraction_shard\n"
+        "if __name__ == '__main__':\n"
+        "    run_extraction_shard(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], json.loads(sys.argv[6]), max_seq_len=512,\n"
+        "                         trust_remote_code=False, host_lock_enabled=False)\n"
+    )
+    shard = res / "hidden_states" / "shard-00000.safetensors"
+    job = subprocess.Popen(
+        [sys.executable, "-c", code, str(Path(__file__).resolve().parents[1] / "workflow_scripts"), str(traces), str(shard),
+         str(shard.with_suffix(".index.json")), str(target_dir), json.dumps(ex)],
+        start_new_session=True,
+    )  # fmt: skip
+    record = res / ".pids" / "extract-shard-00000.json"
+    deadline = time.monotonic() + 300
+    while not record.exists():
+        assert job.poll() is None, "the extraction job ended before its engine was up"
+        assert time.monotonic() < deadline, "no process record within 300 s"
+        time.sleep(0.5)
+    os.kill(job.pid, signal.SIGKILL)
+    job.wait()
+    children = [c["pid"] for c in json.loads(record.read_text())["children"]]
+    alive = [p for p in children if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert alive, "vLLM's engine processes should outlive a SIGKILLed job"
+    ended = cleanup_stale_processes(res / ".pids", grace_seconds=10)
+    assert set(alive) <= set(ended)
+    time.sleep(1)
+    assert not [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not record.exists()
