@@ -12,8 +12,5 @@ rule summarize_run:
         f"logs/{RUN}/summarize_run.log",
     conda:
         "../envs/cpu.yaml"
-    params:
-        plan_json=f"results/{RUN}/plan.json",
-        run_dir=f"results/{RUN}",
     script:
         "../workflow_scripts/summarize_run.py"

@@ -1,6 +1,7 @@
 """Rule summarize_run: one summary.json with every stage's counts, rejects and results."""
 
 import logging
+from pathlib import Path
 
 from eagle3_pipeline.io import write_json_atomic
 from eagle3_pipeline.plan import estimate_vs_actual
@@ -14,7 +15,8 @@ if __name__ == "__main__":
         sm.input.prompts, list(sm.input.traces), sm.input.coverage, list(sm.input.hidden_indexes), sm.input.train, sm.input.acceptance
     )
     # the plan printed at the start of the run (results/<run>/plan.json), against what happened
-    s["estimate_vs_actual"] = estimate_vs_actual(sm.params.plan_json, sm.params.run_dir)
+    run_dir = Path(sm.output[0]).parent  # results/<run>
+    s["estimate_vs_actual"] = estimate_vs_actual(run_dir / "plan.json", run_dir)
     write_json_atomic(sm.output[0], s)
     log = logging.getLogger("summarize_run")
     log.info("prompts: %d kept of %d read, rejects %s", s["prompts"]["kept"], s["prompts"]["read"], s["prompts"]["rejects_by_reason"])
