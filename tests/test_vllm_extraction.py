@@ -216,7 +216,9 @@ def test_engines_of_a_killed_vllm_extraction_are_ended_by_the_next_job(tmp_path,
     traces = res / "traces" / "shard-00000.jsonl"
     with open(traces, "w") as f:
         for i in range(40):
-            f.write(json.dumps({"id": f"{i:016x}", "prompt_token_ids": list(range(10 + i, 400 + i)), "completion_token_ids": [5] * 40}) + "\n")
+            f.write(
+                json.dumps({"id": f"{i:016x}", "prompt_token_ids": list(range(10 + i, 400 + i)), "completion_token_ids": [5] * 40}) + "\n"
+            )
     cfg = validate_config({"extraction": {"backend": "vllm", "chunk_samples": 2}, "vllm": {"cpu_kvcache_space_gib": 1}})
     ex = cfg["extraction"] | {"data_parallel_size": 1, "gpus_per_replica": 1, "engine": cfg["vllm"]}
     code = (
