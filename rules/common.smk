@@ -203,7 +203,10 @@ def print_plan():
         return
     if all(s.done for s in stages):
         return
-    write_json_atomic(f"results/{RUN}/plan.json", plan_dict(stages, platform))
+    try:
+        write_json_atomic(f"results/{RUN}/plan.json", plan_dict(stages, platform))
+    except OSError as e:
+        print(f"(plan not kept: {e})", file=sys.stderr)
     print(
         f"plan for run {RUN!r} on {platform} (estimates; `snakemake plan` writes results/{RUN}/plan.json):\n"
         + format_plan(stages),

@@ -37,12 +37,12 @@ def test_fresh_run_is_planned_from_the_reference_figures(tmp_path):
     assert gen.seconds == pytest.approx(
         ref["generation"]["load_seconds"] + gen.tokens / (ref["generation"]["tokens_per_second"] * scale), abs=0.1
     )
-    assert gen.source.startswith("reference (embedded demo on 2 CPU cores")
+    assert gen.source.startswith("reference (this project's demo run on 2 CPU cores")
     ext = plan["extract_hidden_states"]
     assert ext.tokens == int(300 * (PROMPT_TOKENS + COMPLETION_FILL * 256))
     # tokens x 4 captured layers ([2, 15, 27] + 30) x hidden 576 x 2 bytes (bf16)
     assert ext.disk_bytes == ext.tokens * 4 * 576 * 2
-    assert plan["train_drafter"].tokens == ext.tokens * cfg["training"]["epochs"]
+    assert plan["train_drafter"].tokens == int(ext.tokens * cfg["training"]["epochs"] * (1 - cfg["training"]["val_fraction"]))
     assert plan["evaluate_drafter"].tokens == 80 * cfg["evaluation"]["max_tokens"]
     assert not any(p.done for p in plan.values())
 
@@ -85,25 +85,48 @@ def test_parameter_count_of_a_llama_3_1_8b_config():
 def test_estimate_vs_actual_covers_the_stages_that_were_pending(tmp_path):
     (tmp_path / "hidden_states").mkdir()
     (tmp_path / "hidden_states/shard-00000.index.json").write_text(json.dumps({"model_load_seconds": 3.0, "extract_seconds": 57.0}))
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train/summary.json").write_text(json.dumps({"seconds": 5.0}))
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "train_drafter.tsv").write_text("s\th:m:s\tmax_rss\n12.5\t0:00:12\t100\n")
     plan = {
         "platform": "cpu",
         "stages": [
             {"stage": "generate_traces", "seconds": 100.0, "done": True, "source": "x"},
             {"stage": "extract_hidden_states", "seconds": 40.0, "done": False, "source": "reference"},
+            {"stage": "train_drafter", "seconds": 10.0, "done": False, "source": "reference"},
+            {"stage": "evaluate_drafter", "seconds": "x", "done": False},  # malformed: skipped
         ],
     }
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    rows = estimate_vs_actual(tmp_path / "plan.json", tmp_path)
+    rows = estimate_vs_actual(tmp_path / "plan.json", tmp_path, bench)
     assert rows == [
+        # no benchmark file: load + work seconds from the index
         {
             "stage": "extract_hidden_states",
             "estimated_seconds": 40.0,
             "actual_seconds": 60.0,
             "actual_over_estimate": 1.5,
             "source": "reference",
-        }
+        },
+        # the job's wall time from its benchmark file, not the summary's 5 s
+        {"stage": "train_drafter", "estimated_seconds": 10.0, "actual_seconds": 12.5, "actual_over_estimate": 1.25, "source": "reference"},
     ]
     assert estimate_vs_actual(tmp_path / "missing.json", tmp_path) == []
+    for bad in ('{"platform": "cpu"}', '{"stages": null}', '"x"', "[]", '{"stages": [{}]}'):
+        (tmp_path / "plan.json").write_text(bad)
+        assert estimate_vs_actual(tmp_path / "plan.json", tmp_path) == []
+
+
+def test_malformed_measurements_are_left_out_not_fatal(tmp_path):
+    (tmp_path / "traces").mkdir()
+    (tmp_path / "traces/shard-00000.summary.json").write_text(json.dumps({"generate_seconds": 0, "ok": None}))
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train/summary.json").write_text('"x"')
+    cfg = validate_config({"prompts": {"max_prompts": 10}})
+    plan = _by_stage(make_plan(cfg, BUILTIN_SHAPE, tmp_path, "cpu"))
+    assert plan["generate_traces"].source.startswith("reference") and plan["train_drafter"].source.startswith("reference")
 
 
 def test_snakemake_plan_writes_the_plan_without_running_anything(tmp_path):
@@ -134,3 +157,4 @@ def test_snakemake_plan_writes_the_plan_without_running_anything(tmp_path):
     log = (wd / "logs/default/plan.log").read_text()
     assert "extract_hidden_states" in log and "total (pending stages)" in log
     assert not (wd / "results/default/traces").exists()
+    assert "total (pending stages)" in r.stderr  # printed on the terminal too

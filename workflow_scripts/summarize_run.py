@@ -16,7 +16,7 @@ if __name__ == "__main__":
     )
     # the plan printed at the start of the run (results/<run>/plan.json), against what happened
     run_dir = Path(sm.output[0]).parent  # results/<run>
-    s["estimate_vs_actual"] = estimate_vs_actual(run_dir / "plan.json", run_dir)
+    s["estimate_vs_actual"] = estimate_vs_actual(run_dir / "plan.json", run_dir, Path("benchmarks") / run_dir.name)
     write_json_atomic(sm.output[0], s)
     log = logging.getLogger("summarize_run")
     log.info("prompts: %d kept of %d read, rejects %s", s["prompts"]["kept"], s["prompts"]["read"], s["prompts"]["rejects_by_reason"])

@@ -24,7 +24,7 @@ from pathlib import Path
 #: Reference throughputs (tokens/s, load s) per platform, with where they were measured.
 REFERENCE = {
     "cpu": {
-        "source": "embedded demo on 2 CPU cores (SmolLM2-135M, README 'Measured')",
+        "source": "this project's demo run on 2 CPU cores (SmolLM2-135M)",
         "params": 134_515_008,
         "hidden_size": 576,
         "generation": {"tokens_per_second": 409.0, "load_seconds": 31.0},
@@ -81,21 +81,33 @@ def measured(run_dir: str | Path) -> dict:
     d = Path(run_dir)
     out: dict = {}
 
-    def add(stage: str, files: list[Path], tok_key: str, sec_key: str, load_key: str = "model_load_seconds") -> None:
-        recs = [r for r in map(_read, files) if r and r.get(sec_key)]
+    def num(r: dict, k: str | None) -> float:
+        v = r.get(k) if k else 0.0
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise TypeError(k)
+        return float(v)
+
+    def add(stage: str, files: list[Path], tok_key: str, sec_key: str, load_key: str | None = "model_load_seconds") -> None:
+        recs = []
+        for r in map(_read, files):  # a file without usable numbers is left out, not an error
+            try:
+                recs.append((num(r, tok_key), num(r, sec_key), num(r, load_key)))
+            except (TypeError, AttributeError):
+                continue
+        recs = [x for x in recs if x[1] > 0]
         if not recs:
             return
-        tokens = sum(r[tok_key] for r in recs)
-        secs = sum(r[sec_key] for r in recs)
+        tokens = sum(x[0] for x in recs)
+        secs = sum(x[1] for x in recs)
         out[stage] = {
             "tokens_per_second": tokens / secs,
-            "load_seconds": max(r.get(load_key) or 0.0 for r in recs),
-            "source": f"measured: {len(recs)} file(s) like {files[0].relative_to(d.parent) if d.parent in files[0].parents else files[0]}",
+            "load_seconds": max(x[2] for x in recs),
+            "source": f"measured: {len(recs)} file(s) like {files[0]}",
         }
 
     add("generation", sorted(d.glob("traces/shard-*.summary.json")), "completion_tokens", "generate_seconds")
     add("extraction", sorted(d.glob("hidden_states/shard-*.index.json")), "num_tokens", "extract_seconds")
-    add("training", [d / "train/summary.json"], "tokens_seen", "seconds", "warmup_seconds")
+    add("training", [d / "train/summary.json"], "tokens_seen", "seconds", None)  # compilation is inside its seconds
     add("evaluation", [d / "eval/acceptance.json"], "output_tokens", "seconds")
     return out
 
@@ -119,8 +131,14 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
     ref = REFERENCE[platform]
     got = measured(d)
     prompts_summary = _read(d / "prompts/summary.json")
-    traces = [r for r in map(_read, sorted(d.glob("traces/shard-*.summary.json"))) if r]
-    n_prompts = prompts_summary["kept"] if prompts_summary else cfg["prompts"]["max_prompts"]
+    traces = [
+        r
+        for r in map(_read, sorted(d.glob("traces/shard-*.summary.json")))
+        if isinstance(r, dict) and all(isinstance(r.get(k), int) for k in ("ok", "prompt_tokens", "completion_tokens"))
+    ]
+    kept = prompts_summary.get("kept") if isinstance(prompts_summary, dict) else None
+    prompts_summary = prompts_summary if isinstance(kept, int) else None
+    n_prompts = kept if prompts_summary else cfg["prompts"]["max_prompts"]
     src_prompts = "prompts/summary.json" if prompts_summary else "prompts.max_prompts"
     if n_prompts is None:
         n_prompts, src_prompts = 17_000, "all ShareGPT first turns (~17K usable; set prompts.max_prompts for a sharper plan)"
@@ -132,8 +150,16 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
     else:
         p_tok, c_tok = PROMPT_TOKENS, COMPLETION_FILL * cfg["generation"]["max_tokens"]
         n_ok, tok_src = n_prompts, f"{PROMPT_TOKENS} prompt tokens + {COMPLETION_FILL:.0%} of max_tokens per prompt (demo run)"
-    scale = ref["params"] / max(target["params"], 1)
+    ratio = ref["params"] / max(target["params"], 1)
+    # time per token ~ parameters for a big target; a smaller one gains less on a GPU (measured: the
+    # hf backend on an H200 was 9.5x faster for SmolLM2 than for the 8B shape, 60x fewer parameters)
+    scale = ratio if platform == "cpu" or ratio < 1 else ratio**0.5
     train_scale = (ref["hidden_size"] / target["hidden_size"]) ** 2
+    load_scale = max(1.0, 1 / ratio)  # loading reads the weights: ~ parameters
+    replicas = {
+        "generation": cfg["vllm"]["data_parallel_size"],
+        "extraction": cfg["extraction"].get("data_parallel_size") or cfg["vllm"]["data_parallel_size"],
+    }
     shards = cfg["prompts"]["num_shards"]
 
     def rate(stage: str, ref_key: str | None = None, s: float = scale) -> tuple[float, float, str]:
@@ -141,7 +167,13 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
             m = got[stage]
             return m["tokens_per_second"], m["load_seconds"], m["source"]
         r = ref[ref_key or stage]
-        return r["tokens_per_second"] * s, r["load_seconds"], f"reference ({ref['source']}) x {s:.3g}"
+        d_ = replicas.get(stage, 1)
+        note = f" x {d_} replicas" if d_ > 1 else ""
+        return (
+            r["tokens_per_second"] * s * d_,
+            r["load_seconds"] * (load_scale if stage != "training" else 1.0),
+            f"reference ({ref['source']}) x {s:.3g}{note}; rough: tensor/pipeline parallel not modelled",
+        )
 
     _aux, layers = resolve_layer_ids(cfg["extraction"]["aux_layer_ids"], target["num_hidden_layers"])
     dtype = cfg["extraction"]["storage_dtype"]
@@ -150,6 +182,7 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
     gen_tokens = int(n_prompts * c_tok)
     ext_tokens = int(n_ok * (p_tok + c_tok))
     epochs = cfg["training"]["epochs"]
+    train_fraction = 1.0 - cfg["training"]["val_fraction"]
     eval_tokens = int(cfg["evaluation"].get("max_prompts") or 80) * cfg["evaluation"]["max_tokens"]
     plan = []
     for stage, jobs, tokens, ref_key, s, disk, work in (
@@ -163,8 +196,19 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
             ext_tokens * per_token,
             {"samples": n_ok, "layers": layers, "bytes_per_token": per_token, "storage_dtype": dtype},
         ),
-        ("train_drafter", 1, ext_tokens * epochs, "training", train_scale, 0, {"epochs": epochs}),
-        ("evaluate_drafter", 1, eval_tokens, "evaluation", scale, 0, {"max_tokens": cfg["evaluation"]["max_tokens"]}),
+        ("train_drafter", 1, int(ext_tokens * epochs * train_fraction), "training", train_scale, 0, {"epochs": epochs}),
+        (
+            "evaluate_drafter",
+            1,
+            eval_tokens,
+            "evaluation",
+            scale,
+            0,
+            {
+                "max_tokens": cfg["evaluation"]["max_tokens"],
+                "tokens_source": "evaluation prompts (80 unless evaluation.max_prompts) x max_tokens",
+            },
+        ),
     ):
         key = {"generate_traces": "generation", "extract_hidden_states": "extraction", "train_drafter": "training"}.get(stage, "evaluation")
         tps, load, source = rate(key, ref_key, s)
@@ -180,7 +224,7 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
                 round(tps, 1),
                 int(disk),
                 source,
-                work=work | {"tokens_source": tok_src},
+                work={"tokens_source": tok_src} | work,
             )
         )
     return plan
@@ -270,16 +314,38 @@ def plan_run(cfg: dict, target_dir: str | Path | None, run_dir: str | Path, plat
     return stages, platform
 
 
-def actual_seconds(run_dir: str | Path) -> dict[str, float]:
-    """Seconds each stage took, from its outputs (model load + work; summed over shard jobs).
+def _bench_seconds(path: Path) -> float | None:
+    """Wall seconds of a job from its Snakemake ``benchmark:`` file (first column ``s``)."""
+    try:
+        lines = path.read_text().splitlines()
+        return float(lines[1].split("\t")[0])
+    except (OSError, IndexError, ValueError):
+        return None
 
-    Only stages whose outputs record both are included.
+
+def actual_seconds(run_dir: str | Path, bench_dir: str | Path | None = None) -> dict[str, float]:
+    """Wall seconds each stage took, summed over its jobs.
+
+    From the jobs' Snakemake benchmark files in ``bench_dir`` (``benchmarks/<run>``: the whole
+    job, start-up and teardown included) when they exist, else from the stage outputs
+    (model load + work seconds). Stages with neither are left out.
     """
     d = Path(run_dir)
     out: dict[str, float] = {}
+    if bench_dir is not None:
+        b = Path(bench_dir)
+        for stage, files in (
+            ("generate_traces", sorted(b.glob("generate_traces/shard-*.tsv"))),
+            ("extract_hidden_states", sorted(b.glob("extract_hidden_states/shard-*.tsv"))),
+            ("train_drafter", [b / "train_drafter.tsv"]),
+            ("evaluate_drafter", [b / "evaluate_drafter.tsv"]),
+        ):
+            secs = [x for x in map(_bench_seconds, files) if x is not None]
+            if secs:
+                out[stage] = round(sum(secs), 1)
 
     def total(files: list[Path], keys: tuple[str, ...]) -> float | None:
-        recs = [r for r in map(_read, files) if r and all(r.get(k) is not None for k in keys)]
+        recs = [r for r in map(_read, files) if isinstance(r, dict) and all(isinstance(r.get(k), int | float) for k in keys)]
         return sum(sum(r[k] for k in keys) for r in recs) if recs else None
 
     for stage, files, keys in (
@@ -288,32 +354,34 @@ def actual_seconds(run_dir: str | Path) -> dict[str, float]:
         ("train_drafter", [d / "train/summary.json"], ("seconds",)),
         ("evaluate_drafter", [d / "eval/acceptance.json"], ("model_load_seconds", "seconds")),
     ):
-        t = total(files, keys)
+        t = None if stage in out else total(files, keys)
         if t is not None:
             out[stage] = round(t, 1)
     return out
 
 
-def estimate_vs_actual(plan_json: str | Path, run_dir: str | Path) -> list[dict]:
+def estimate_vs_actual(plan_json: str | Path, run_dir: str | Path, bench_dir: str | Path | None = None) -> list[dict]:
     """Rows ``{stage, estimated_seconds, actual_seconds, actual_over_estimate, source}`` for the
-    stages the plan (``plan.json`` written at the start of the run) had pending. Empty when
-    there is no plan."""
+    stages the plan (``plan.json`` written at the start of the run) had pending; actual seconds
+    are wall time (:func:`actual_seconds`). Empty when there is no readable plan; malformed
+    stage entries are skipped."""
     plan = _read(Path(plan_json))
-    if not plan:
+    stages = plan.get("stages") if isinstance(plan, dict) else None
+    if not isinstance(stages, list):
         return []
-    got = actual_seconds(run_dir)
+    got = actual_seconds(run_dir, bench_dir)
     rows = []
-    for st in plan["stages"]:
-        if st["done"]:
+    for st in stages:
+        if not isinstance(st, dict) or st.get("done") is not False or not isinstance(st.get("seconds"), int | float):
             continue
-        act = got.get(st["stage"])
+        act = got.get(st.get("stage"))
         rows.append(
             {
                 "stage": st["stage"],
                 "estimated_seconds": st["seconds"],
                 "actual_seconds": act,
                 "actual_over_estimate": round(act / st["seconds"], 3) if act and st["seconds"] else None,
-                "source": st["source"],
+                "source": st.get("source"),
             }
         )
     return rows
