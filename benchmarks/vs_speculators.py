@@ -106,13 +106,13 @@ def phase_samples(args) -> dict:
 
 def phase_target(args) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     work = Path(args.work)
     target = work / "target"
     if (target / "config.json").is_file():
         return {"target": str(target), "reused": True}
-    cfg = LlamaConfig(**{k: v for k, v in LLAMA_8B.items() if k not in ("architectures", "model_type", "torch_dtype")})
+    cfg = _llama_config()
     torch.manual_seed(0)
     t = time.perf_counter()
     with torch.device("cuda"):
@@ -127,10 +127,17 @@ def phase_target(args) -> dict:
     return {"parameters": n, "seconds": time.perf_counter() - t}
 
 
+def _llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{k: v for k, v in LLAMA_8B.items() if k not in ("architectures", "model_type", "torch_dtype")})
+
+
 def _params() -> int:
-    h, i, L, v = LLAMA_8B["hidden_size"], LLAMA_8B["intermediate_size"], LLAMA_8B["num_hidden_layers"], LLAMA_8B["vocab_size"]
-    kv = LLAMA_8B["num_key_value_heads"] * LLAMA_8B["head_dim"]
-    return L * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h) + 2 * v * h + h
+    """Parameters of the LLAMA_8B shape (the pipeline's own estimate, as the plan uses it)."""
+    from eagle3_pipeline.plan import estimate_params
+
+    return estimate_params(_llama_config())
 
 
 def _samples(work: Path):
