@@ -35,7 +35,7 @@ def test_fresh_run_is_planned_from_the_reference_figures(tmp_path):
     gen = plan["generate_traces"]
     assert gen.tokens == int(300 * COMPLETION_FILL * 256)
     assert gen.seconds == pytest.approx(
-        ref["generation"]["load_seconds"] + gen.tokens / (ref["generation"]["tokens_per_second"] * scale), abs=0.1
+        ref["generate_traces"]["load_seconds"] + gen.tokens / (ref["generate_traces"]["tokens_per_second"] * scale), abs=0.1
     )
     assert gen.source.startswith("reference (this project's demo run on 2 CPU cores")
     ext = plan["extract_hidden_states"]

@@ -21,26 +21,35 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-#: Reference throughputs (tokens/s, load s) per platform, with where they were measured.
+#: Each stage's output under ``results/<run>/`` that records its work: (file pattern, tokens key,
+#: seconds key, model load seconds key). A stage whose files all exist is done.
+STAGES = {
+    "generate_traces": ("traces/shard-{shard}.summary.json", "completion_tokens", "generate_seconds", "model_load_seconds"),
+    "extract_hidden_states": ("hidden_states/shard-{shard}.index.json", "num_tokens", "extract_seconds", "model_load_seconds"),
+    "train_drafter": ("train/summary.json", "tokens_seen", "seconds", None),  # compilation is inside its seconds
+    "evaluate_drafter": ("eval/acceptance.json", "output_tokens", "seconds", "model_load_seconds"),
+}
+
+#: Reference throughputs (tokens/s, load s) per platform and stage, with where they were measured.
 REFERENCE = {
     "cpu": {
         "source": "this project's demo run on 2 CPU cores (SmolLM2-135M)",
         "params": 134_515_008,
         "hidden_size": 576,
-        "generation": {"tokens_per_second": 409.0, "load_seconds": 31.0},
-        "extraction": {"tokens_per_second": 1300.0, "load_seconds": 3.0},
-        "training": {"tokens_per_second": 668.0, "load_seconds": 5.0},
-        "evaluation": {"tokens_per_second": 197.0, "load_seconds": 31.0},
+        "generate_traces": {"tokens_per_second": 409.0, "load_seconds": 31.0},
+        "extract_hidden_states": {"tokens_per_second": 1300.0, "load_seconds": 3.0},
+        "train_drafter": {"tokens_per_second": 668.0, "load_seconds": 5.0},
+        "evaluate_drafter": {"tokens_per_second": 197.0, "load_seconds": 31.0},
     },
     "cuda": {
         "source": "1 x H200, Llama-3.1-8B-shaped target (benchmarks/results/vs_speculators_h200.json)",
         "params": 8_030_261_248,
         "hidden_size": 4096,
-        "generation": {"tokens_per_second": 7868.0, "load_seconds": 50.0},
-        "extraction": {"tokens_per_second": 25764.0, "load_seconds": 41.0},
-        "extraction_hf": {"tokens_per_second": 10644.0, "load_seconds": 12.0},
-        "training": {"tokens_per_second": 14055.0, "load_seconds": 89.0},
-        "evaluation": {"tokens_per_second": 7868.0, "load_seconds": 50.0},
+        "generate_traces": {"tokens_per_second": 7868.0, "load_seconds": 50.0},
+        "extract_hidden_states": {"tokens_per_second": 25764.0, "load_seconds": 41.0},
+        "extract_hidden_states_hf": {"tokens_per_second": 10644.0, "load_seconds": 12.0},
+        "train_drafter": {"tokens_per_second": 14055.0, "load_seconds": 89.0},
+        "evaluate_drafter": {"tokens_per_second": 7868.0, "load_seconds": 50.0},
     },
 }
 #: Completion tokens per prompt as a fraction of ``max_tokens`` (demo run: 59,792 / 296 / 256).
@@ -72,6 +81,10 @@ def _read(path: Path) -> dict | None:
         return None
 
 
+def _stage_files(run_dir: Path, pattern: str) -> list[Path]:
+    return sorted(run_dir.glob(pattern.format(shard="*")))
+
+
 def measured(run_dir: str | Path) -> dict:
     """Throughput and load seconds measured by this run's finished outputs, per stage.
 
@@ -87,7 +100,8 @@ def measured(run_dir: str | Path) -> dict:
             raise TypeError(k)
         return float(v)
 
-    def add(stage: str, files: list[Path], tok_key: str, sec_key: str, load_key: str | None = "model_load_seconds") -> None:
+    for stage, (pattern, tok_key, sec_key, load_key) in STAGES.items():
+        files = _stage_files(d, pattern)
         recs = []
         for r in map(_read, files):  # a file without usable numbers is left out, not an error
             try:
@@ -95,20 +109,12 @@ def measured(run_dir: str | Path) -> dict:
             except (TypeError, AttributeError):
                 continue
         recs = [x for x in recs if x[1] > 0]
-        if not recs:
-            return
-        tokens = sum(x[0] for x in recs)
-        secs = sum(x[1] for x in recs)
-        out[stage] = {
-            "tokens_per_second": tokens / secs,
-            "load_seconds": max(x[2] for x in recs),
-            "source": f"measured: {len(recs)} file(s) like {files[0]}",
-        }
-
-    add("generation", sorted(d.glob("traces/shard-*.summary.json")), "completion_tokens", "generate_seconds")
-    add("extraction", sorted(d.glob("hidden_states/shard-*.index.json")), "num_tokens", "extract_seconds")
-    add("training", [d / "train/summary.json"], "tokens_seen", "seconds", None)  # compilation is inside its seconds
-    add("evaluation", [d / "eval/acceptance.json"], "output_tokens", "seconds")
+        if recs:
+            out[stage] = {
+                "tokens_per_second": sum(x[0] for x in recs) / sum(x[1] for x in recs),
+                "load_seconds": max(x[2] for x in recs),
+                "source": f"measured: {len(recs)} file(s) like {files[0]}",
+            }
     return out
 
 
@@ -157,8 +163,8 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
     train_scale = (ref["hidden_size"] / target["hidden_size"]) ** 2
     load_scale = max(1.0, 1 / ratio)  # loading reads the weights: ~ parameters
     replicas = {
-        "generation": cfg["vllm"]["data_parallel_size"],
-        "extraction": cfg["extraction"].get("data_parallel_size") or cfg["vllm"]["data_parallel_size"],
+        "generate_traces": cfg["vllm"]["data_parallel_size"],
+        "extract_hidden_states": cfg["extraction"].get("data_parallel_size") or cfg["vllm"]["data_parallel_size"],
     }
     shards = cfg["prompts"]["num_shards"]
 
@@ -171,7 +177,7 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
         note = f" x {d_} replicas" if d_ > 1 else ""
         return (
             r["tokens_per_second"] * s * d_,
-            r["load_seconds"] * (load_scale if stage != "training" else 1.0),
+            r["load_seconds"] * (load_scale if stage != "train_drafter" else 1.0),
             f"reference ({ref['source']}) x {s:.3g}{note}; rough: tensor/pipeline parallel not modelled",
         )
 
@@ -186,22 +192,22 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
     eval_tokens = int(cfg["evaluation"].get("max_prompts") or 80) * cfg["evaluation"]["max_tokens"]
     plan = []
     for stage, jobs, tokens, ref_key, s, disk, work in (
-        ("generate_traces", shards, gen_tokens, "generation", scale, 0, {"prompts": n_prompts, "prompts_source": src_prompts}),
+        ("generate_traces", shards, gen_tokens, None, scale, 0, {"prompts": n_prompts, "prompts_source": src_prompts}),
         (
             "extract_hidden_states",
             shards,
             ext_tokens,
-            "extraction" if cfg["extraction"]["backend"] == "vllm" or platform == "cpu" else "extraction_hf",
+            None if cfg["extraction"]["backend"] == "vllm" or platform == "cpu" else "extract_hidden_states_hf",
             scale,
             ext_tokens * per_token,
             {"samples": n_ok, "layers": layers, "bytes_per_token": per_token, "storage_dtype": dtype},
         ),
-        ("train_drafter", 1, int(ext_tokens * epochs * train_fraction), "training", train_scale, 0, {"epochs": epochs}),
+        ("train_drafter", 1, int(ext_tokens * epochs * train_fraction), None, train_scale, 0, {"epochs": epochs}),
         (
             "evaluate_drafter",
             1,
             eval_tokens,
-            "evaluation",
+            None,
             scale,
             0,
             {
@@ -210,8 +216,7 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
             },
         ),
     ):
-        key = {"generate_traces": "generation", "extract_hidden_states": "extraction", "train_drafter": "training"}.get(stage, "evaluation")
-        tps, load, source = rate(key, ref_key, s)
+        tps, load, source = rate(stage, ref_key, s)
         per_job = tokens / max(jobs, 1)
         seconds = load + per_job / tps  # jobs of one stage run one after another on one host
         plan.append(
@@ -219,7 +224,7 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
                 stage,
                 jobs,
                 tokens,
-                round(seconds * jobs if key != "training" else seconds, 1),
+                round(seconds * jobs if stage != "train_drafter" else seconds, 1),
                 load,
                 round(tps, 1),
                 int(disk),
@@ -274,14 +279,6 @@ def plan_dict(plan: list[StageEstimate], platform: str) -> dict:
 #: The embedded target's shape (SmolLM2-135M-Instruct), for plans made before it is materialized.
 BUILTIN_SHAPE = {"params": 134_515_008, "num_hidden_layers": 30, "hidden_size": 576}
 
-#: Each stage's final outputs under ``results/<run>/`` (a stage whose outputs all exist is done).
-STAGE_OUTPUTS = {
-    "generate_traces": "traces/shard-{shard}.summary.json",
-    "extract_hidden_states": "hidden_states/shard-{shard}.index.json",
-    "train_drafter": "train/summary.json",
-    "evaluate_drafter": "eval/acceptance.json",
-}
-
 
 def plan_run(cfg: dict, target_dir: str | Path | None, run_dir: str | Path, platform: str | None = None) -> tuple[list[StageEstimate], str]:
     """Plan a workflow run: :func:`make_plan` with the target's shape and the platform found here.
@@ -309,7 +306,7 @@ def plan_run(cfg: dict, target_dir: str | Path | None, run_dir: str | Path, plat
     stages = make_plan(cfg, target, run_dir, platform)
     shards = [f"{i:05d}" for i in range(cfg["prompts"]["num_shards"])]
     for st in stages:
-        pattern = STAGE_OUTPUTS[st.stage]
+        pattern = STAGES[st.stage][0]
         st.done = all((Path(run_dir) / pattern.format(shard=s)).exists() for s in shards)
     return stages, platform
 
@@ -348,13 +345,9 @@ def actual_seconds(run_dir: str | Path, bench_dir: str | Path | None = None) -> 
         recs = [r for r in map(_read, files) if isinstance(r, dict) and all(isinstance(r.get(k), int | float) for k in keys)]
         return sum(sum(r[k] for k in keys) for r in recs) if recs else None
 
-    for stage, files, keys in (
-        ("generate_traces", sorted(d.glob("traces/shard-*.summary.json")), ("model_load_seconds", "generate_seconds")),
-        ("extract_hidden_states", sorted(d.glob("hidden_states/shard-*.index.json")), ("model_load_seconds", "extract_seconds")),
-        ("train_drafter", [d / "train/summary.json"], ("seconds",)),
-        ("evaluate_drafter", [d / "eval/acceptance.json"], ("model_load_seconds", "seconds")),
-    ):
-        t = None if stage in out else total(files, keys)
+    for stage, (pattern, _tok, sec_key, load_key) in STAGES.items():
+        keys = (sec_key,) if load_key is None else (load_key, sec_key)
+        t = None if stage in out else total(_stage_files(d, pattern), keys)
         if t is not None:
             out[stage] = round(t, 1)
     return out
