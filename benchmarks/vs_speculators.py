@@ -206,6 +206,7 @@ def _ours(args, backend: str) -> dict:
         "tokens_per_second": idx["tokens_per_second"],
         "bytes_per_token": idx["bytes"] / idx["num_tokens"],
         "job_seconds": time.perf_counter() - t,
+        "replicas": idx["replicas"],  # vllm: prefill_seconds (engine loop) and write_wait_seconds (after it)
     }
 
 
@@ -532,6 +533,59 @@ def gen_plain(args) -> dict:
     return {"model_load_seconds": load, "seconds": s, "completion_tokens": n, "tokens_per_second": n / s}
 
 
+def gen_profile(args) -> dict:
+    """Where generate_traces' overhead comes from: one process, after a warm-up, alternating.
+
+    For two engines built by our ``build_llm`` (the stage's engine: stats logging on, as
+    the stage has it; then the same with ``disable_log_stats``), time plain
+    ``LLM.generate`` on the pre-rendered ids and our ``generate_shard`` (rendering, checks,
+    trace records) on the same prompts, twice each in alternating order.
+    """
+    from vllm import SamplingParams, TokensPrompt
+
+    from eagle3_pipeline.config import validate_config
+    from eagle3_pipeline.engine import build_llm, engine_identity, shutdown_llm
+    from eagle3_pipeline.generation import generate_shard, render_prompt_ids
+    from eagle3_pipeline.io import read_jsonl
+    from eagle3_pipeline.target_model import load_tokenizer
+
+    work = Path(args.work)
+    prompts = work / "prompts-gen.jsonl"
+    _gen_prompts(work, prompts)
+    records = list(read_jsonl(prompts))
+    gen_cfg = validate_config({"generation": {"temperature": 0.0, "max_tokens": 256, "min_completion_tokens": 1}})["generation"]
+    tok = load_tokenizer(str(work / "target"))
+    ids = [render_prompt_ids(tok, r["messages"], None) for r in records]
+    out: dict = {}
+    for name, extra in (("log_stats_on", {}), ("log_stats_off", {"disable_log_stats": True})):
+        llm = build_llm(str(work / "target"), _vllm_cfg() | {"extra_engine_args": extra}, seed=0, max_model_len=MAX_SEQ_LEN)
+        try:
+            llm.generate(
+                [TokensPrompt(prompt_token_ids=i) for i in ids[:32]], SamplingParams(max_tokens=32, temperature=0.0), use_tqdm=False
+            )
+            runs = []
+            for rep in range(2):
+                for kind in ("plain", "ours") if rep == 0 else ("ours", "plain"):
+                    t = time.perf_counter()
+                    if kind == "plain":
+                        outs = llm.generate(
+                            [TokensPrompt(prompt_token_ids=i) for i in ids], SamplingParams(max_tokens=256, temperature=0.0), use_tqdm=False
+                        )
+                        n = sum(len(o.outputs[0].token_ids) for o in outs)
+                    else:
+                        res = generate_shard(
+                            llm, tok, records, gen_cfg, max_seq_len=MAX_SEQ_LEN, seed=0, engine=engine_identity(), model={"path": "target"}
+                        )
+                        n = sum(len(x["completion_token_ids"]) for x in res.traces)
+                    s_ = time.perf_counter() - t
+                    runs.append({"kind": kind, "seconds": s_, "completion_tokens": n, "tokens_per_second": n / s_})
+            best = {k: max(r["tokens_per_second"] for r in runs if r["kind"] == k) for k in ("plain", "ours")}
+            out[name] = {"runs": runs, "best_tokens_per_second": best, "ours_over_plain": best["ours"] / best["plain"]}
+        finally:
+            shutdown_llm(llm)
+    return out
+
+
 PHASES = {
     "samples": phase_samples,
     "target": phase_target,
@@ -545,6 +599,7 @@ PHASES = {
     "train_speculators": train_speculators,
     "gen_ours": gen_ours,
     "gen_plain": gen_plain,
+    "gen_profile": gen_profile,
 }
 ALL = [
     "target",

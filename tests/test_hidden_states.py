@@ -1,5 +1,6 @@
 """Hidden-state extraction on the real SmolLM2 target against independent transformers forwards."""
 
+import json
 import os
 from pathlib import Path
 
@@ -96,6 +97,25 @@ def test_shard_roundtrip(tmp_path, model, samples):
         assert got["input_ids"].tolist() == s.input_ids.tolist()
         assert got["loss_mask"].tolist() == s.loss_mask.tolist()
         assert torch.equal(got["hidden_states"], states[i])
+    # the in-place writer's file is what safetensors itself writes for these tensors: same
+    # tensors and metadata when safetensors reads it back, same size (no holes or padding)
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    ours = tmp_path / "shard-00000.safetensors"
+    with safe_open(str(ours), "pt") as f:
+        meta = f.metadata()
+    want = {
+        "input_ids": torch.from_numpy(np.concatenate([s.input_ids for s in samples])),
+        "loss_mask": torch.from_numpy(np.concatenate([s.loss_mask for s in samples])),
+        "offsets": torch.tensor([0, *np.cumsum([len(s.input_ids) for s in samples])], dtype=torch.int64),
+        "hidden_states": torch.cat(states),
+    }
+    save_file(want, str(tmp_path / "reference.safetensors"), metadata=meta)
+    got = load_file(str(ours))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert ours.stat().st_size == (tmp_path / "reference.safetensors").stat().st_size
+    assert json.loads(meta["eagle3_pipeline"])["sample_ids"] == [s.id for s in samples]
 
 
 def test_sample_from_trace_limits():
@@ -139,8 +159,7 @@ def test_equal_shards_have_equal_bytes_across_processes(tmp_path):
 def test_fp8_storage_round_trip_error_is_bounded(tmp_path, target_dir):
     """Real SmolLM2 states stored as float8 e4m3fn with per-(token, layer) scales: half the
     bytes of bf16, each element within half an e4m3 step (2^-4 relative to the row maximum's
-    binade) of the bf16 value, and chunk merging copies the fp8 bytes unchanged."""
-    from eagle3_pipeline.hidden_states import merge_shards
+    binade) of the bf16 value, and a shard filled in parts equals one written at once."""
 
     model = load_hf_target(str(target_dir), "cpu")
     rng = np.random.default_rng(5)
@@ -179,19 +198,20 @@ def test_fp8_storage_round_trip_error_is_bounded(tmp_path, target_dir):
         # half an e4m3 step: 2^-4 of |x| (normal range), plus bf16 rounding of the result
         assert bool((err <= x.abs() * 2**-4 + amax / 448 * 2**-9 + x.abs() * 2**-8).all())
         assert float(err.max()) > 0  # it is lossy: the test would notice a no-op
-    # merging chunks copies the stored fp8 bytes: merged == written in one go
-    halves = [
-        write_shard(
-            tmp_path / f"h{k}.safetensors",
-            samples[2 * k : 2 * k + 2],
-            states[2 * k : 2 * k + 2],
-            layer_ids=layer_ids,
-            aux_layer_ids=layer_ids[:-1],
-            index_path=None,
-            storage_dtype=torch.float8_e4m3fn,
-        )
-        for k in range(2)
-    ]
-    assert all(h["dtype"] == "float8_e4m3fn" for h in halves)
-    merged = merge_shards([tmp_path / "h0.safetensors", tmp_path / "h1.safetensors"], tmp_path / "merged.safetensors")
-    assert merged["sha256"] == f8["sha256"]
+    # filled in place in two parts (two chunks of a job) == written in one go, byte for byte
+    from eagle3_pipeline.hidden_states import ShardWriter, shard_index
+
+    rows = np.cumsum([0] + [len(s.input_ids) for s in samples]).tolist()
+    with ShardWriter.create(
+        tmp_path / "parts.safetensors",
+        samples,
+        layer_ids=layer_ids,
+        aux_layer_ids=layer_ids[:-1],
+        hidden_size=states[0].shape[-1],
+        storage_dtype=torch.float8_e4m3fn,
+    ) as w:
+        for i in (3, 2):  # second chunk first
+            w.write_states(rows[i], states[i])
+        w.write_states(rows[0], torch.cat(states[:2]))
+    parts = shard_index(tmp_path / "parts.safetensors", samples, layer_ids=layer_ids, aux_layer_ids=layer_ids[:-1], index_path=None)
+    assert parts["sha256"] == f8["sha256"]

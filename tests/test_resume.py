@@ -76,7 +76,7 @@ def test_killed_extraction_resumes_to_identical_output(tmp_path, traces, target_
     assert r.returncode == -signal.SIGKILL
     assert not (tmp_path / "shard-00000.safetensors").exists()  # nothing that looks finished
     partial = tmp_path / ".shard-00000.safetensors.partial"
-    kept = sorted(p.name for p in partial.glob("chunk-*.safetensors"))
+    kept = sorted(p.name for p in partial.glob("chunk-*.done"))
     assert len(kept) == (k if fault.endswith("AFTER_CHUNKS") else k - 1)
     r = run_py(code, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]

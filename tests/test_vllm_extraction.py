@@ -15,6 +15,7 @@ from eagle3_pipeline.conventions import loss_mask
 from eagle3_pipeline.hidden_states import (
     Sample,
     ShardReader,
+    ShardWriter,
     extract_hf,
     extraction_fingerprint,
     load_hf_target,
@@ -22,7 +23,7 @@ from eagle3_pipeline.hidden_states import (
     run_extraction_shard,
 )
 from eagle3_pipeline.vllm_extraction import (
-    ChunkAssembler,
+    ChunkFiller,
     engine_layer_ids,
     engine_overrides,
     error_path,
@@ -49,56 +50,64 @@ def test_engine_overrides_request_sorted_layers_and_our_connector():
     assert kw["enable_prefix_caching"] is False
 
 
-def _chunk(tmp_path, lengths, prompt_lengths):
+def _chunk(tmp_path, lengths, prompt_lengths, first=1):
+    """A shard of ``first`` + len(lengths) samples; the chunk is samples first.. (the first are another chunk's)."""
     rng = np.random.default_rng(0)
+    lengths = [3] * first + list(lengths)
+    prompt_lengths = [1] * first + list(prompt_lengths)
     samples = [
         Sample(f"s{i}", rng.integers(1, 1000, size=n).astype(np.int64), loss_mask(p, n - p))
         for i, (n, p) in enumerate(zip(lengths, prompt_lengths, strict=True))
     ]
-    path = tmp_path / "chunk-000000.safetensors"
-    write_chunk_spec(path, samples, layer_ids=[15, 2, 30], aux_layer_ids=[15, 2], storage_dtype="bfloat16")
+    shard = tmp_path / "shard.safetensors"
+    ShardWriter.create(shard, samples, layer_ids=[15, 2, 30], aux_layer_ids=[15, 2], hidden_size=8, storage_dtype=torch.bfloat16).close()
+    rows = np.cumsum([0, *lengths])[:-1].tolist()
+    marker = tmp_path / "chunk-000001.done"
+    write_chunk_spec(marker, samples[first:], shard=shard, rows=rows[first:], layer_ids=[15, 2, 30])
     # what vLLM hands over: layers in ascending id order [2, 15, 30]
-    states = [torch.randn(n, 3, 8).to(torch.bfloat16) for n in lengths]
-    return path, samples, states
+    states = [torch.randn(n, 3, 8).to(torch.bfloat16) for n in lengths[first:]]
+    return marker, shard, samples, states
 
 
-def test_assembler_writes_the_chunk_when_its_last_request_arrives(tmp_path):
-    path, samples, states = _chunk(tmp_path, [5, 9, 7], [2, 4, 6])
-    asm = ChunkAssembler()
+def test_filler_writes_each_request_at_its_rows_and_marks_the_chunk_after_the_last(tmp_path):
+    marker, shard, samples, states = _chunk(tmp_path, [5, 9, 7], [2, 4, 6])
+    filler = ChunkFiller()
     for pos in (2, 0):  # requests finish out of order
-        assert asm.add(str(path), pos, states[pos], torch.from_numpy(samples[pos].input_ids)) is False
-        assert not path.exists()
-    assert asm.add(str(path), 1, states[1], torch.from_numpy(samples[1].input_ids)) is True
-    assert not spec_path(path).exists()
-    r = ShardReader(path)
-    assert r.sample_ids == ["s0", "s1", "s2"] and r.layer_ids == [15, 2, 30] and r.aux_layer_ids == [15, 2]
-    assert r.lengths() == [5, 9, 7]
-    for i, s in enumerate(samples):
-        got = r.sample(i)
+        assert filler.add(str(marker), pos, states[pos], torch.from_numpy(samples[pos + 1].input_ids)) is False
+        assert not marker.exists()
+    assert filler.add(str(marker), 1, states[1], torch.from_numpy(samples[2].input_ids)) is True
+    assert json.loads(marker.read_text()) == {"samples": 3, "tokens": 21} and not spec_path(marker).exists()
+    r = ShardReader(shard)
+    assert r.sample_ids == ["s0", "s1", "s2", "s3"] and r.layer_ids == [15, 2, 30] and r.aux_layer_ids == [15, 2]
+    assert r.lengths() == [3, 5, 9, 7]
+    assert torch.equal(r.sample(0)["hidden_states"], torch.zeros(3, 3, 8, dtype=torch.bfloat16))  # another chunk's rows: untouched
+    for i, s in enumerate(samples[1:]):
+        got = r.sample(i + 1)
         assert np.array_equal(got["input_ids"].numpy(), s.input_ids)
         assert got["loss_mask"].tolist() == [False] * (s.loss_mask.argmax()) + [True] * int(s.loss_mask.sum())
         # stored order [15, 2, 30] = engine columns [1, 0, 2]
         assert torch.equal(got["hidden_states"], states[i][:, [1, 0, 2]])
 
 
-def test_assembler_rejects_other_token_ids_and_the_driver_reports_it(tmp_path):
-    path, samples, states = _chunk(tmp_path, [5, 6], [2, 3])
-    asm = ChunkAssembler()
-    asm.add(str(path), 0, states[0], torch.from_numpy(samples[0].input_ids))
-    wrong = torch.from_numpy(samples[1].input_ids.copy())
+def test_filler_rejects_other_token_ids_and_the_driver_reports_it(tmp_path):
+    marker, shard, samples, states = _chunk(tmp_path, [5, 6], [2, 3])
+    filler = ChunkFiller()
+    filler.add(str(marker), 0, states[0], torch.from_numpy(samples[1].input_ids))
+    wrong = torch.from_numpy(samples[2].input_ids.copy())
     wrong[3] += 1
-    with pytest.raises(ValueError, match="sample s1: the engine prefilled other token ids"):
-        asm.add(str(path), 1, states[1], wrong)
-    assert not path.exists() and "sample s1" in error_path(path).read_text()
-    with pytest.raises(RuntimeError, match=r"chunk-000000.safetensors: ValueError: .*sample s1"):
-        wait_for_chunks([path], timeout_s=5)
+    with pytest.raises(ValueError, match="sample s2: the engine prefilled other token ids"):
+        filler.add(str(marker), 1, states[1], wrong)
+    assert not marker.exists() and "sample s2" in error_path(marker).read_text()
+    with pytest.raises(RuntimeError, match=r"chunk-000001.done: ValueError: .*sample s2"):
+        wait_for_chunks([marker], timeout_s=5)
 
 
-def test_assembler_rejects_nan_states_naming_the_sample(tmp_path):
-    path, samples, states = _chunk(tmp_path, [4], [2])
+def test_filler_rejects_nan_states_naming_the_sample(tmp_path):
+    marker, shard, samples, states = _chunk(tmp_path, [4], [2])
     states[0][1, 2, 3] = float("nan")
-    with pytest.raises(FloatingPointError, match="sample s0"):
-        ChunkAssembler().add(str(path), 0, states[0], torch.from_numpy(samples[0].input_ids))
+    with pytest.raises(FloatingPointError, match="sample s1"):
+        ChunkFiller().add(str(marker), 0, states[0], torch.from_numpy(samples[1].input_ids))
+    assert not marker.exists()
 
 
 def test_wait_for_chunks_times_out_naming_a_missing_chunk(tmp_path):
@@ -198,9 +207,11 @@ def test_resumed_chunks_never_mix_backends(tmp_path, target_dir):
     assert fp() != fp(storage_dtype="float8_e4m3fn") and fp() != fp(chunk_samples=7)
 
 
-def test_engines_of_a_killed_vllm_extraction_are_ended_by_the_next_job(tmp_path, target_dir):
-    """SIGKILL of the job process alone (an OOM kill) leaves vLLM's engine processes; the job
-    records them, and the next full-model job's cleanup ends exactly those."""
+def test_a_killed_vllm_extraction_resumes_and_its_engines_are_ended(tmp_path, target_dir):
+    """SIGKILL of the job process alone (an OOM kill) after some chunks are in the shard leaves
+    vLLM's engine processes; the job records them, and the next full-model job's cleanup ends
+    exactly those. The rerun keeps the done chunks and its shard equals the hf backend's
+    (ids, masks; states within the parity tolerance: no row left unwritten)."""
     import os
     import signal
     import subprocess
@@ -235,11 +246,12 @@ def test_engines_of_a_killed_vllm_extraction_are_ended_by_the_next_job(tmp_path,
         start_new_session=True,
     )  # fmt: skip
     record = res / ".pids" / "extract-shard-00000.json"
+    partial = shard.parent / ".shard-00000.safetensors.partial"
     deadline = time.monotonic() + 300
-    while not record.exists():
-        assert job.poll() is None, "the extraction job ended before its engine was up"
-        assert time.monotonic() < deadline, "no process record within 300 s"
-        time.sleep(0.5)
+    while not (record.exists() and list(partial.glob("chunk-*.done"))):
+        assert job.poll() is None, "the extraction job ended before a chunk was done"
+        assert time.monotonic() < deadline, "no done chunk within 300 s"
+        time.sleep(0.05)
     os.kill(job.pid, signal.SIGKILL)
     job.wait()
     children = [c["pid"] for c in json.loads(record.read_text())["children"]]
@@ -250,3 +262,20 @@ def test_engines_of_a_killed_vllm_extraction_are_ended_by_the_next_job(tmp_path,
     time.sleep(1)
     assert not [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert not record.exists()
+    assert not shard.exists()  # nothing that looks finished
+    done = len(list(partial.glob("chunk-*.done")))
+    assert 1 <= done < 20
+    job = subprocess.run([*job.args[:-1], json.dumps(ex)], capture_output=True, text=True)
+    assert job.returncode == 0, job.stderr[-3000:]
+    index = json.loads(shard.with_suffix(".index.json").read_text())
+    assert index["chunks"] == 20 and index["chunks_resumed"] >= done and not partial.exists()
+    hf = run_extraction_shard(
+        str(traces), str(tmp_path / "hf.safetensors"), str(tmp_path / "hf.index.json"), str(target_dir), ex | {"backend": "hf"},
+        max_seq_len=512, trust_remote_code=False, host_lock_enabled=False,
+    )  # fmt: skip
+    assert [s["id"] for s in index["samples"]] == [s["id"] for s in hf["samples"]] == [f"{i:016x}" for i in range(40)]
+    got, want = ShardReader(shard), ShardReader(tmp_path / "hf.safetensors")
+    assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.loss_mask, want.loss_mask)
+    V, H = got.all_hidden_states().float(), want.all_hidden_states().float()
+    for k in range(V.shape[1]):
+        assert (V[:, k] - H[:, k]).abs().max().item() <= 16 * _bf16_ulp(H[:, k].abs().max().item()), f"layer {k}"

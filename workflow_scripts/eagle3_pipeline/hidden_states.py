@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from .conventions import loss_mask
-from .io import _umask, atomic_path, sha256_file, write_json_atomic
+from .io import atomic_path, sha256_file, write_json_atomic
 from .runtime import progress
 
 logger = logging.getLogger(__name__)
@@ -226,6 +226,203 @@ def extract_hf(
     return out  # type: ignore[return-value]
 
 
+#: safetensors dtype names (the format's ``dtype`` field) of the tensors a shard holds.
+SAFETENSORS_DTYPES = {
+    torch.int64: "I64",
+    torch.bool: "BOOL",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    FP8: "F8_E4M3",
+}
+
+
+class ShardWriter:
+    """A hidden-state shard preallocated on disk and filled in place, sample by sample.
+
+    :meth:`create` writes a complete safetensors file (format: 8-byte little-endian header
+    length, a JSON header of dtypes, shapes and ``data_offsets``, then the data) whose
+    ``input_ids``, ``loss_mask`` and ``offsets`` are final and whose ``hidden_states``
+    (and fp8 ``hidden_states_scale``) rows are still zeros (a sparse file); each sample's
+    rows are then written at their offset with ``os.pwrite`` by :meth:`write_states`.
+    Several processes may fill disjoint samples of one file (data-parallel replicas,
+    vLLM engine writer threads: :meth:`open` attaches to a created file). The result
+    reads with ``safetensors.safe_open`` like any shard (:class:`ShardReader`).
+
+    Why not ``safetensors.torch.save_file``: it needs the whole shard in memory at once.
+    A real run's shard is larger than host memory (20M tokens × 4 layers × 4096 × 2 bytes
+    = 655 GB), and writing chunk files that are merged at the end copies every byte twice
+    and needs twice the disk. The header is the one safetensors writes for these tensors
+    (sorted keys, padded with spaces to 8 bytes); the data are stored in the order
+    ``input_ids, offsets, hidden_states_scale, hidden_states, loss_mask`` (by alignment).
+    """
+
+    def __init__(self, path: str | os.PathLike, fd: int, header: dict, data_start: int, header_bytes: bytes):
+        self.path = Path(path)
+        self._fd = fd
+        self.header = header
+        self.header_bytes = header_bytes
+        self._start = data_start
+        hs = header["hidden_states"]
+        self.num_tokens, self.num_layers, self.hidden_size = hs["shape"]
+        self.stored_dtype = next(d for d, n in SAFETENSORS_DTYPES.items() if n == hs["dtype"])
+
+    @staticmethod
+    def layout(
+        samples: Sequence[Sample], *, layer_ids: Sequence[int], aux_layer_ids: Sequence[int], hidden_size: int, storage_dtype: torch.dtype
+    ) -> tuple[bytes, dict[str, torch.Tensor]]:
+        """The file's first bytes (length + header) and its small tensors, for ``samples``.
+
+        Returns:
+            ``(prefix, tensors)``: ``prefix`` is the 8-byte length plus the JSON header;
+            ``tensors`` are ``input_ids`` int64 ``[T]``, ``loss_mask`` bool ``[T]``,
+            ``offsets`` int64 ``[S + 1]``.
+
+        Raises:
+            ValueError: ``storage_dtype`` is not one of :data:`STORAGE_DTYPES`.
+        """
+        if storage_dtype not in STORAGE_DTYPES.values():
+            raise ValueError(f"storage dtype {storage_dtype} is not one of {sorted(STORAGE_DTYPES)}")
+        lengths = [len(s.input_ids) for s in samples]
+        n, n_layers = int(sum(lengths)), len(layer_ids)
+        small = {
+            "input_ids": torch.from_numpy(np.concatenate([s.input_ids for s in samples]) if samples else np.zeros(0, np.int64)),
+            "loss_mask": torch.from_numpy(np.concatenate([s.loss_mask for s in samples]) if samples else np.zeros(0, bool)),
+            "offsets": torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)),
+        }
+        shapes = {k: (t.dtype, list(t.shape)) for k, t in small.items()}
+        shapes["hidden_states"] = (storage_dtype, [n, n_layers, hidden_size])
+        if storage_dtype == FP8:
+            shapes["hidden_states_scale"] = (torch.float32, [n, n_layers])
+        header: dict = {
+            "__metadata__": {
+                META_KEY: json.dumps(
+                    {
+                        "format": FORMAT,
+                        "layer_ids": list(layer_ids),
+                        "aux_layer_ids": list(aux_layer_ids),
+                        "sample_ids": [s.id for s in samples],
+                    },
+                    sort_keys=True,
+                )
+            }
+        }
+        pos = 0
+        for name in ("input_ids", "offsets", "hidden_states_scale", "hidden_states", "loss_mask"):
+            if name in shapes:
+                dtype, shape = shapes[name]
+                size = int(np.prod(shape)) * dtype.itemsize
+                header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": shape, "data_offsets": [pos, pos + size]}
+                pos += size
+        text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        return len(text).to_bytes(8, "little") + text, small
+
+    @classmethod
+    def create(
+        cls,
+        path: str | os.PathLike,
+        samples: Sequence[Sample],
+        *,
+        layer_ids: Sequence[int],
+        aux_layer_ids: Sequence[int],
+        hidden_size: int,
+        storage_dtype: torch.dtype,
+    ) -> ShardWriter:
+        """Create (or overwrite) ``path`` as the shard of ``samples`` with zero states; see :meth:`layout`."""
+        prefix, small = cls.layout(
+            samples, layer_ids=layer_ids, aux_layer_ids=aux_layer_ids, hidden_size=hidden_size, storage_dtype=storage_dtype
+        )
+        header = json.loads(prefix[8:])
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            total = len(prefix) + max(e["data_offsets"][1] for k, e in header.items() if k != "__metadata__")
+            os.ftruncate(fd, total)
+            _pwrite_all(fd, prefix, 0)
+            for name, t in small.items():
+                _pwrite_all(fd, t.numpy().tobytes(), len(prefix) + header[name]["data_offsets"][0])
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, fd, header, len(prefix), prefix)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> ShardWriter:
+        """Attach to a shard made by :meth:`create` (e.g. from another process) to fill its states.
+
+        Raises:
+            ValueError: ``path`` is not a hidden-state shard (names the file).
+        """
+        fd = os.open(path, os.O_RDWR)
+        try:
+            n = int.from_bytes(os.pread(fd, 8, 0), "little")
+            prefix = os.pread(fd, 8 + n, 0)
+            header = json.loads(prefix[8:])
+            meta = json.loads(header.get("__metadata__", {}).get(META_KEY, "{}"))
+            if meta.get("format") != FORMAT or "hidden_states" not in header:
+                raise ValueError(f"{path}: not an eagle3-pipeline {FORMAT} hidden-state shard")
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, fd, header, len(prefix), prefix)
+
+    def write_states(self, row: int, states: torch.Tensor) -> int:
+        """Store one sample's (or consecutive samples') states at token row ``row``.
+
+        Args:
+            row: the first token's index in the shard (``offsets[i]`` of its sample).
+            states: ``[T, L, H]`` in layer_ids order, any float dtype, on CPU; cast to the
+                shard's dtype (fp8: :func:`quantize_fp8`, with its per-row scales).
+
+        Returns:
+            bytes written.
+
+        Raises:
+            ValueError: the rows fall outside the shard or the shape differs from ``[T, L, H]``.
+        """
+        t = states.shape[0]
+        if (
+            states.dim() != 3
+            or tuple(states.shape[1:]) != (self.num_layers, self.hidden_size)
+            or not 0 <= row <= row + t <= self.num_tokens
+        ):
+            raise ValueError(
+                f"{self.path}: states of shape {tuple(states.shape)} at row {row} do not fit "
+                f"[{self.num_tokens}, {self.num_layers}, {self.hidden_size}]"
+            )
+        parts = {}
+        if self.stored_dtype == FP8:
+            parts["hidden_states"], parts["hidden_states_scale"] = quantize_fp8(states)
+        else:
+            parts["hidden_states"] = states.to(self.stored_dtype)
+        written = 0
+        for name, x in parts.items():
+            x = x.contiguous()
+            buf = x.view(torch.uint8).numpy()
+            _pwrite_all(self._fd, buf, self._start + self.header[name]["data_offsets"][0] + row * x.stride(0) * x.element_size())
+            written += buf.nbytes
+        return written
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    """``os.pwrite`` until every byte of ``data`` is written (a write may be partial)."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
 def write_shard(
     path: str | os.PathLike,
     samples: Sequence[Sample],
@@ -243,82 +440,67 @@ def write_shard(
         states: per sample ``[T_i, L, H]``.
         storage_dtype: dtype to store (default: the states' own); ``torch.float8_e4m3fn``
             stores :func:`quantize_fp8` values plus ``hidden_states_scale`` float32 ``[T, L]``.
-        checksum: put the file's SHA-256 in the index (reads the file back; chunks that
-            are merged later skip it).
+        checksum: put the file's SHA-256 in the index (reads the file back).
 
     Returns:
         the index dict (also written to ``index_path`` unless it is None).
-    """
-    lengths = [len(s.input_ids) for s in samples]
-    hs = torch.cat(list(states), dim=0).contiguous()
-    tensors = {
-        "input_ids": torch.from_numpy(np.concatenate([s.input_ids for s in samples])),
-        "loss_mask": torch.from_numpy(np.concatenate([s.loss_mask for s in samples])),
-        "offsets": torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)),
-    }
-    if storage_dtype == FP8:
-        tensors["hidden_states"], tensors["hidden_states_scale"] = quantize_fp8(hs)
-    else:
-        tensors["hidden_states"] = hs if storage_dtype is None else hs.to(storage_dtype)
-    return _save(path, tensors, [s.id for s in samples], layer_ids, aux_layer_ids, index_path, checksum=checksum)
-
-
-def merge_shards(paths: Sequence[str | os.PathLike], out_path: str | os.PathLike, index_path: str | os.PathLike | None = None) -> dict:
-    """Concatenate shards (e.g. a job's chunks) into one, copying the stored tensors as they are.
-
-    No dequantisation or dtype change happens, so an fp8 shard merges bit-exactly.
 
     Raises:
-        ValueError: the shards disagree on layer ids, hidden size or dtype.
+        ValueError: no samples, or a sample's states have another shape than ``[T_i, L, H]``.
     """
-    readers = [ShardReader(p) for p in paths]
-    first = readers[0]
-    for r in readers:
-        if (r.layer_ids, r.aux_layer_ids, r.stored_dtype) != (first.layer_ids, first.aux_layer_ids, first.stored_dtype):
-            raise ValueError(f"{r.path}: layer ids or dtype differ from {first.path}; cannot merge")
-    keys = ["input_ids", "loss_mask", "hidden_states"] + (["hidden_states_scale"] if first.fp8 else [])
-    tensors = {k: torch.cat([r.raw(k) for r in readers], dim=0) for k in keys}
-    lengths = [n for r in readers for n in r.lengths()]
-    tensors["offsets"] = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
-    return _save(out_path, tensors, [i for r in readers for i in r.sample_ids], first.layer_ids, first.aux_layer_ids, index_path)
+    if not states:
+        raise ValueError(f"{path}: a shard needs at least one sample")
+    hidden_size = states[0].shape[-1]
+    with (
+        atomic_path(path, suffix=".safetensors") as tmp,
+        ShardWriter.create(
+            tmp,
+            samples,
+            layer_ids=layer_ids,
+            aux_layer_ids=aux_layer_ids,
+            hidden_size=hidden_size,
+            storage_dtype=storage_dtype or states[0].dtype,
+        ) as w,
+    ):
+        row = 0
+        for s, x in zip(samples, states, strict=True):
+            if x.shape[0] != len(s.input_ids):
+                raise ValueError(f"{path}: sample {s.id} has {len(s.input_ids)} tokens but states of shape {tuple(x.shape)}")
+            w.write_states(row, x)
+            row += x.shape[0]
+    return shard_index(path, samples, layer_ids=layer_ids, aux_layer_ids=aux_layer_ids, index_path=index_path, checksum=checksum)
 
 
-def _save(
+def shard_index(
     path: str | os.PathLike,
-    tensors: dict[str, torch.Tensor],
-    sample_ids: list[str],
+    samples: Sequence[Sample],
+    *,
     layer_ids: Sequence[int],
     aux_layer_ids: Sequence[int],
     index_path: str | os.PathLike | None,
-    *,
     checksum: bool = True,
 ) -> dict:
-    from safetensors.torch import save_file
+    """The index of a complete shard (sample ids, offsets, counts, size, SHA-256), written to ``index_path``.
 
-    meta = {
-        META_KEY: json.dumps(
-            {"format": FORMAT, "layer_ids": list(layer_ids), "aux_layer_ids": list(aux_layer_ids), "sample_ids": sample_ids},
-            sort_keys=True,
-        )
-    }
-    with atomic_path(path, suffix=".safetensors") as tmp:
-        save_file(tensors, str(tmp), metadata=meta)
-        os.chmod(tmp, 0o666 & ~_umask())  # safetensors may write a fresh 0600 file
-    offsets = tensors["offsets"].tolist()
-    hs = tensors["hidden_states"]
+    Hidden size and dtype are read from the file's header.
+    """
+    with ShardWriter.open(path) as w:
+        hidden_size, dtype = w.hidden_size, w.stored_dtype
+    lengths = [len(s.input_ids) for s in samples]
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64).tolist()
     index = {
         "format": FORMAT,
         "file": Path(path).name,
-        "num_samples": len(sample_ids),
+        "num_samples": len(samples),
         "num_tokens": int(offsets[-1]),
-        "num_supervised_tokens": int(tensors["loss_mask"].sum()),
+        "num_supervised_tokens": int(sum(int(s.loss_mask.sum()) for s in samples)),
         "layer_ids": list(layer_ids),
         "aux_layer_ids": list(aux_layer_ids),
-        "hidden_size": int(hs.shape[-1]),
-        "dtype": str(hs.dtype).removeprefix("torch."),
+        "hidden_size": int(hidden_size),
+        "dtype": str(dtype).removeprefix("torch."),
         "bytes": os.path.getsize(path),
         "sha256": sha256_file(path) if checksum else None,
-        "samples": [{"id": i, "offset": o, "length": e - o} for i, o, e in zip(sample_ids, offsets[:-1], offsets[1:], strict=True)],
+        "samples": [{"id": s.id, "offset": o, "length": n} for s, o, n in zip(samples, offsets[:-1], lengths, strict=True)],
     }
     if index_path is not None:
         write_json_atomic(index_path, index)
@@ -389,12 +571,48 @@ def read_shard(path: str | os.PathLike) -> tuple[list[Sample], list[torch.Tensor
     return samples, states, r.layer_ids, r.aux_layer_ids
 
 
+#: Suffix of a chunk's done marker in the job's chunk store (the states live in the shard).
+DONE_SUFFIX = ".done"
+
+
+def mark_chunk_done(marker: str | os.PathLike, samples: Sequence[Sample]) -> None:
+    """Write a chunk's done marker: its states are in the job's shard (a small JSON record)."""
+    Path(marker).write_text(json.dumps({"samples": len(samples), "tokens": int(sum(len(s.input_ids) for s in samples))}) + "\n")
+
+
+def prepare_partial_shard(store, samples: Sequence[Sample], **layout) -> Path:
+    """The job's preallocated shard in its chunk store, created unless a matching one is there.
+
+    A shard kept from a killed run is reused when its header equals the one ``samples``
+    and ``layout`` (:meth:`ShardWriter.layout` arguments) give, with its done chunks;
+    otherwise it is created afresh (atomically) and any done markers are dropped.
+
+    Returns:
+        the path of the partial shard (``<chunk store>/shard.safetensors``).
+    """
+    path = store.dir / "shard.safetensors"
+    prefix, _ = ShardWriter.layout(samples, **layout)
+    if path.is_file():
+        with open(path, "rb") as f:
+            if f.read(len(prefix)) == prefix:
+                return path
+    stale = store.finished()
+    if stale:
+        logger.warning("%s: the partial shard is missing or differs; discarding %d done chunk(s)", store.final_path, len(stale))
+        for i in stale:
+            store.path(i).unlink(missing_ok=True)
+    with atomic_path(path, suffix=".safetensors") as tmp:
+        ShardWriter.create(tmp, samples, **layout).close()
+    return path
+
+
 def _extraction_replica(job: dict, rank: int, chunks) -> None:
     """One model replica of an extraction job: extract the chunks it takes from ``chunks``.
 
     Runs in the job's process (one replica) or in a spawned replica process
-    (:func:`eagle3_pipeline.parallel.run_replicas`); writes each chunk atomically into
-    the job's chunk store and its timing to ``replica-<rank>.json`` there.
+    (:func:`eagle3_pipeline.parallel.run_replicas`); writes each chunk's states into the
+    job's preallocated shard (:class:`ShardWriter`), then the chunk's done marker
+    (:func:`mark_chunk_done`), and its timing to ``replica-<rank>.json`` in the chunk store.
     """
     from concurrent.futures import ThreadPoolExecutor
 
@@ -402,8 +620,8 @@ def _extraction_replica(job: dict, rank: int, chunks) -> None:
     from .resume import ChunkStore
     from .runtime import Timer
 
-    cfg, samples, ranges = job["cfg"], job["samples"], job["ranges"]
-    store = ChunkStore.attach(job["out_shard"], ".safetensors")
+    cfg, samples, ranges, rows = job["cfg"], job["samples"], job["ranges"], job["rows"]
+    store = ChunkStore.attach(job["out_shard"], DONE_SUFFIX)
     dtype = STORAGE_DTYPES[cfg["storage_dtype"]]
     compute_dtype = torch.bfloat16 if dtype == FP8 else dtype
     # a replica of several GPUs spreads the target's layers over them (device_map "auto")
@@ -413,23 +631,17 @@ def _extraction_replica(job: dict, rank: int, chunks) -> None:
     load_s = load.seconds
     run = Timer()
     tokens = done = 0
+    shard = ShardWriter.open(job["shard_file"])
 
     def write(i: int, a: int, b: int, states: list[torch.Tensor]) -> None:
-        with store.writing(i) as tmp:
-            write_shard(
-                tmp,
-                samples[a:b],
-                states,
-                layer_ids=job["layer_ids"],
-                aux_layer_ids=job["aux"],
-                index_path=None,
-                storage_dtype=dtype,
-                checksum=False,
-            )
+        with store.writing(i) as marker:
+            for k, x in enumerate(states):
+                shard.write_states(rows[a + k], x)
+            mark_chunk_done(marker, samples[a:b])
         logger.info("chunk %d/%d done (samples %d-%d)", i + 1, len(ranges), a, b - 1)
 
     # a chunk is written by a background thread while the next one is extracted (one in flight)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as pool:
+    with shard, ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as pool:
         pending = None
         for i in chunks:
             a, b = ranges[i]
@@ -481,13 +693,16 @@ def run_extraction_shard(
 
     Backends (``cfg["backend"]``): ``hf`` prefills with transformers in this process
     (:func:`extract_hf`); ``vllm`` prefills with vLLM configured from ``cfg["engine"]``
-    (the ``vllm:`` section) and writes chunks from the engine
+    (the ``vllm:`` section) and writes each request's states from the engine
     (:mod:`eagle3_pipeline.vllm_extraction`). Both write the same format.
 
-    Samples (prompt + completion ids of each trace, in trace order) are extracted in
-    chunks of ``cfg["chunk_samples"]``; each finished chunk is kept as its own shard file
-    (:mod:`eagle3_pipeline.resume`), so a killed job's rerun extracts only the rest; the
-    final shard concatenates the chunks in order and equals an uninterrupted run's. With
+    The shard is preallocated in the job's chunk store (:func:`prepare_partial_shard`)
+    and filled in place (:class:`ShardWriter`): no chunk files, no merge, the shard's
+    size on disk once. Samples (prompt + completion ids of each trace, in trace order)
+    are extracted in chunks of ``cfg["chunk_samples"]``; a chunk gets a done marker once
+    its states are written (:mod:`eagle3_pipeline.resume`), so a killed job's rerun
+    extracts only the rest, and the finished shard, renamed into place when every chunk
+    is done, equals an uninterrupted run's. With
     ``cfg["data_parallel_size"] = D > 1``, D model replicas, each on
     ``cfg["gpus_per_replica"]`` GPUs, share the chunks (:mod:`eagle3_pipeline.parallel`).
     Before loading the model, a disk preflight compares the estimated bytes (tokens ×
@@ -519,13 +734,13 @@ def run_extraction_shard(
         tokens = sum(len(s.input_ids) for s in samples)
         need = hidden_state_bytes(tokens, len(layer_ids), tcfg.hidden_size, dtype.itemsize)
         need += tokens * len(layer_ids) * 4 if dtype == FP8 else 0  # per-row scales
-        check_disk(
-            out_shard, 2 * need, what=f"extraction of {traces_path} (chunks + final shard)", override_key="extraction.disk_preflight"
-        )
+        check_disk(out_shard, need, what=f"extraction of {traces_path}", override_key="extraction.disk_preflight")
     fingerprint = extraction_fingerprint(traces_path, target, cfg, max_seq_len)
-    store = ChunkStore(out_shard, fingerprint, ".safetensors")
+    store = ChunkStore(out_shard, fingerprint, DONE_SUFFIX)
     for old in store.dir.glob("replica-*.json"):
         old.unlink()
+    layout = {"layer_ids": layer_ids, "aux_layer_ids": aux, "hidden_size": tcfg.hidden_size, "storage_dtype": dtype}
+    shard_file = prepare_partial_shard(store, samples, **layout)
     ranges = chunk_ranges(len(samples), cfg["chunk_samples"])
     todo = todo_chunks(store, ranges)
     replicas = cfg.get("data_parallel_size") or 1
@@ -539,6 +754,8 @@ def run_extraction_shard(
                 "ranges": ranges,
                 "todo": todo,
                 "out_shard": out_shard,
+                "shard_file": str(shard_file),
+                "rows": np.concatenate([[0], np.cumsum([len(x.input_ids) for x in samples])]).tolist(),
                 "target": target,
                 "trust_remote_code": trust_remote_code,
                 "layer_ids": layer_ids,
@@ -551,8 +768,12 @@ def run_extraction_shard(
             else:
                 worker = _extraction_replica
             run_replicas(functools.partial(worker, job), todo, replicas, cfg.get("gpus_per_replica") or 1)
+    missing = sorted(set(range(len(ranges))) - set(store.finished()))
+    if missing:
+        raise RuntimeError(f"{out_shard}: chunk(s) {missing[:5]} were not extracted; rerun the job to resume")
     stats = replica_stats(store.dir)
-    index = merge_shards([store.path(i) for i in range(len(ranges))], out_shard)
+    os.replace(shard_file, out_shard)
+    index = shard_index(out_shard, samples, layer_ids=layer_ids, aux_layer_ids=aux, index_path=None)
     run_s = stats.get("extract_seconds", 0.0)
     index |= {
         "backend": cfg["backend"],

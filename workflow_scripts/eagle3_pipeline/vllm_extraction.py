@@ -1,22 +1,26 @@
-"""extract_hidden_states, ``vllm`` backend: prefill through vLLM, chunk shards written in the engine.
+"""extract_hidden_states, ``vllm`` backend: prefill through vLLM, states written into the shard by the engine.
 
 vLLM's ``extract_hidden_states`` speculative method makes the target return the hidden
 states of the requested layers and caches them per token in a KV-cache-like buffer; a
 KV connector copies a finished request's rows out of that buffer (vLLM's
 ``ExampleHiddenStatesConnector`` writes one safetensors file per request, the path
 speculators 0.9 uses). :class:`ChunkShardConnector` subclasses that connector and keeps
-its extraction and asynchronous device-to-host copy, but instead of a file per request it
-collects a chunk's requests in host memory (:class:`ChunkAssembler`) and writes the chunk
-shard in the pipeline's format (:func:`eagle3_pipeline.hidden_states.write_shard`) from
-the connector's writer threads, while the engine goes on with the next chunk. No
-per-sample files; the stored values are what the target computed, in the same format and
+its extraction and asynchronous device-to-host copy, but instead of a file per request
+it writes each request's rows straight into the job's preallocated shard at the
+sample's offset (:class:`eagle3_pipeline.hidden_states.ShardWriter`), from the
+connector's writer threads while the engine goes on. No per-sample files, no chunk
+files to merge; the stored values are what the target computed, in the same format and
 layer order as the ``hf`` backend.
 
 How a request is routed: its ``kv_transfer_params["hidden_states_path"]`` is
-``<chunk path>::<position>``; before submitting a chunk the driver writes
-``<chunk path>.spec.json`` (sample ids, input ids, loss masks, layer ids, storage dtype).
-A chunk file appears (atomically) once all its requests are written; a failure writes
-``<chunk path>.error`` with the reason, which the driver raises.
+``<chunk marker path>::<position>``; before submitting a chunk the driver writes
+``<marker>.spec.json`` (the shard path, each sample's id, first row and input ids, the
+layer ids). The marker appears (atomically) once all of the chunk's requests are in the
+shard; a failure writes ``<marker>.error`` with the reason, which the driver raises.
+
+The driver feeds requests to the engine continuously (``LLMEngine.add_request`` /
+``step``), keeping :data:`QUEUED_REQUESTS` queued, so the batch never drains between
+chunks.
 
 Layer ids: vLLM's aux hidden-state id ``k`` is the embedding output for ``k = 0`` and the
 residual stream after decoder layer ``k - 1`` otherwise (``hidden_states + residual``,
@@ -27,7 +31,6 @@ connector reorders them to ``layer_ids`` order.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import os
@@ -36,18 +39,17 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from .io import atomic_path, write_text_atomic
+from .io import write_text_atomic
 
 logger = logging.getLogger(__name__)
 
 #: Separator between a chunk path and a request's position in it (in ``hidden_states_path``).
 ROUTE_SEP = "::"
 CONNECTOR_NAME = "ChunkShardConnector"
-#: Chunks per ``generate`` call: the engine drains its batch at the end of each call.
-CHUNKS_PER_CALL = 4
+#: Requests kept queued in the engine: a new chunk is added while fewer are unfinished.
+QUEUED_REQUESTS = 512
 #: Seconds to wait, after the last chunk's prefill, for the engine to finish writing chunks.
 WRITE_TIMEOUT_S = 600.0
 
@@ -77,24 +79,25 @@ def error_path(chunk_path: str | os.PathLike) -> Path:
     return Path(f"{chunk_path}.error")
 
 
-def write_chunk_spec(chunk_path, samples, *, layer_ids: Sequence[int], aux_layer_ids: Sequence[int], storage_dtype: str) -> None:
-    """Write what the connector needs to assemble a chunk (``<chunk>.spec.json``, atomically).
+def write_chunk_spec(marker, samples, *, shard: str | os.PathLike, rows: Sequence[int], layer_ids: Sequence[int]) -> None:
+    """Write what the connector needs to store a chunk (``<marker>.spec.json``, atomically).
 
     Args:
+        marker: the chunk's done-marker path (its requests' route).
         samples: :class:`eagle3_pipeline.hidden_states.Sample` list, in chunk order.
+        shard: the job's preallocated shard (:func:`eagle3_pipeline.hidden_states.prepare_partial_shard`).
+        rows: each sample's first token row in the shard.
         layer_ids: captured ids in stored order (``aux_layer_ids + [n]``).
-        storage_dtype: a key of :data:`eagle3_pipeline.hidden_states.STORAGE_DTYPES`.
     """
     spec = {
+        "shard": str(shard),
         "sample_ids": [s.id for s in samples],
+        "rows": [int(r) for r in rows],
         "input_ids": [s.input_ids.tolist() for s in samples],
-        "loss_mask": ["".join("1" if m else "0" for m in s.loss_mask) for s in samples],
         "layer_ids": list(layer_ids),
-        "aux_layer_ids": list(aux_layer_ids),
-        "storage_dtype": storage_dtype,
     }
-    error_path(chunk_path).unlink(missing_ok=True)
-    write_text_atomic(spec_path(chunk_path), json.dumps(spec))
+    error_path(marker).unlink(missing_ok=True)
+    write_text_atomic(spec_path(marker), json.dumps(spec))
 
 
 def engine_layer_ids(layer_ids: Sequence[int]) -> list[int]:
@@ -102,21 +105,23 @@ def engine_layer_ids(layer_ids: Sequence[int]) -> list[int]:
     return sorted(set(layer_ids))
 
 
-class ChunkAssembler:
-    """Collects the per-request states of chunks and writes each chunk shard when complete.
+class ChunkFiller:
+    """Writes each request's states into its shard and marks a chunk done when all are in.
 
-    Thread-safe: :meth:`add` is called from the connector's writer threads.
+    Thread-safe: :meth:`add` is called from the connector's writer threads; shards are
+    opened once per process (:meth:`eagle3_pipeline.hidden_states.ShardWriter.open`).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: dict[str, tuple[dict, dict[int, torch.Tensor]]] = {}
+        self._pending: dict[str, tuple[dict, set[int]]] = {}
+        self._shards: dict = {}
 
-    def add(self, chunk_path: str, position: int, hidden_states: torch.Tensor, token_ids: torch.Tensor) -> bool:
-        """Add one request's states; write the chunk when it was the last one.
+    def add(self, marker: str, position: int, hidden_states: torch.Tensor, token_ids: torch.Tensor) -> bool:
+        """Check one request's states, write them at the sample's rows; mark the chunk done after the last.
 
-        The request's states are checked and reordered to ``layer_ids`` order at once, into
-        a new (pageable) tensor, so the engine's pinned copy buffer is released right away.
+        The states are checked and reordered to ``layer_ids`` order into a new (pageable)
+        tensor, so the engine's pinned copy buffer is released right away.
 
         Args:
             hidden_states: ``[T, L', H]`` as vLLM returns them (``L'`` = the
@@ -124,81 +129,60 @@ class ChunkAssembler:
             token_ids: int ``[T]``, the request's prompt ids.
 
         Returns:
-            True when this call wrote the chunk file.
+            True when this call completed the chunk (wrote its marker).
 
         Raises:
             ValueError: the token ids differ from the spec's sample, or the position is
                 out of range; FloatingPointError: NaN/Inf states. Either is also written
-                to ``<chunk>.error`` for the driver.
+                to ``<marker>.error`` for the driver.
         """
+        from .hidden_states import ShardWriter
+
         try:
             with self._lock:
-                if chunk_path not in self._pending:
-                    self._pending[chunk_path] = (json.loads(spec_path(chunk_path).read_text()), {})
-                spec, parts = self._pending[chunk_path]
+                if marker not in self._pending:
+                    self._pending[marker] = (json.loads(spec_path(marker).read_text()), set())
+                spec, done = self._pending[marker]
+                if spec["shard"] not in self._shards:
+                    self._shards[spec["shard"]] = ShardWriter.open(spec["shard"])
+                shard = self._shards[spec["shard"]]
             if not 0 <= position < len(spec["sample_ids"]):
-                raise ValueError(f"{chunk_path}: position {position} outside the chunk's {len(spec['sample_ids'])} samples")
-            states = self._check(chunk_path, spec, position, hidden_states, token_ids)
+                raise ValueError(f"{marker}: position {position} outside the chunk's {len(spec['sample_ids'])} samples")
+            states = self._check(marker, spec, position, hidden_states, token_ids)
+            t = time.perf_counter()
+            n = shard.write_states(spec["rows"][position], states)
+            logger.debug("%s: sample %s, %.1f MB in %.3f s", spec["shard"], spec["sample_ids"][position], n / 1e6, time.perf_counter() - t)
             with self._lock:
-                parts[position] = states
-                if len(parts) < len(spec["sample_ids"]):
+                done.add(position)
+                if len(done) < len(spec["sample_ids"]):
                     return False
-                del self._pending[chunk_path]
-            self._write(chunk_path, spec, parts)
+                del self._pending[marker]
+            tokens = sum(len(x) for x in spec["input_ids"])
+            write_text_atomic(marker, json.dumps({"samples": len(done), "tokens": tokens}) + "\n")
+            spec_path(marker).unlink(missing_ok=True)
             return True
         except Exception as e:
             with self._lock:
-                self._pending.pop(chunk_path, None)
-            error_path(chunk_path).write_text(f"{type(e).__name__}: {e}\n")
+                self._pending.pop(marker, None)
+            error_path(marker).write_text(f"{type(e).__name__}: {e}\n")
             raise
 
     @staticmethod
-    def _check(chunk_path: str, spec: dict, i: int, hs: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+    def _check(marker: str, spec: dict, i: int, hs: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
         """Sample ``i``'s states in ``layer_ids`` order, after checking ids, shape and finiteness."""
         sid = spec["sample_ids"][i]
         engine_ids = engine_layer_ids(spec["layer_ids"])
         ids = spec["input_ids"][i]
         if tok.shape[0] != len(ids) or tok.tolist() != ids:
             raise ValueError(
-                f"{chunk_path}: sample {sid}: the engine prefilled other token ids than the trace's ({tok.shape[0]} vs {len(ids)} tokens)"
+                f"{marker}: sample {sid}: the engine prefilled other token ids than the trace's ({tok.shape[0]} vs {len(ids)} tokens)"
             )
         if hs.shape[0] != len(ids) or hs.shape[1] != len(engine_ids):
-            raise ValueError(f"{chunk_path}: sample {sid}: states of shape {tuple(hs.shape)}, expected [{len(ids)}, {len(engine_ids)}, H]")
+            raise ValueError(f"{marker}: sample {sid}: states of shape {tuple(hs.shape)}, expected [{len(ids)}, {len(engine_ids)}, H]")
         out = hs.index_select(1, torch.tensor([engine_ids.index(k) for k in spec["layer_ids"]]))
         if not torch.isfinite(out).all():
             raise FloatingPointError(f"sample {sid}: hidden states contain NaN/Inf")
         return out
-
-    @staticmethod
-    def _write(chunk_path: str, spec: dict, parts: dict[int, torch.Tensor]) -> None:
-        from .hidden_states import STORAGE_DTYPES, Sample, write_shard
-
-        samples = [
-            Sample(
-                sid,
-                np.asarray(spec["input_ids"][i], dtype=np.int64),
-                np.frombuffer(spec["loss_mask"][i].encode(), dtype=np.uint8) == ord("1"),
-            )
-            for i, sid in enumerate(spec["sample_ids"])
-        ]
-        t = time.perf_counter()
-        with atomic_path(chunk_path, suffix=".safetensors") as tmp:
-            write_shard(
-                tmp,
-                samples,
-                [parts[i] for i in range(len(samples))],
-                layer_ids=spec["layer_ids"],
-                aux_layer_ids=spec["aux_layer_ids"],
-                index_path=None,
-                storage_dtype=STORAGE_DTYPES[spec["storage_dtype"]],
-                checksum=False,
-            )
-        spec_path(chunk_path).unlink(missing_ok=True)
-        s = time.perf_counter() - t
-        size = os.path.getsize(chunk_path)
-        logger.info(
-            "wrote %s: %d samples, %.0f MB in %.2f s (%.0f MB/s)", chunk_path, len(samples), size / 1e6, s, size / 1e6 / max(s, 1e-9)
-        )
 
 
 class _Done:
@@ -216,24 +200,24 @@ def _connector_class():
     from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as ehs
 
     class ChunkShardConnector(ehs.ExampleHiddenStatesConnector):
-        """vLLM's hidden-states connector, writing chunk shards instead of per-request files.
+        """vLLM's hidden-states connector, writing into the job's shard instead of per-request files.
 
         Keeps the parent's scheduler side, block bookkeeping, extraction from the cache
         buffer and asynchronous device-to-host copy; replaces the per-request
-        ``save_file`` with :class:`ChunkAssembler`. On a CPU engine (no CUDA streams) the
+        ``save_file`` with :class:`ChunkFiller`. On a CPU engine (no CUDA streams) the
         copy is synchronous. Requires ``allow_custom_save_path`` (requests carry their
         route) and no synchronisation lock files.
         """
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self._assembler = ChunkAssembler()
+            self._filler = ChunkFiller()
 
         def _write_tensors(self, tensors, event, filename, lock_fd) -> None:  # type: ignore[override]
             try:
                 event.synchronize()
                 chunk, pos = parse_route(filename)
-                self._assembler.add(chunk, pos, tensors["hidden_states"], tensors["token_ids"])
+                self._filler.add(chunk, pos, tensors["hidden_states"], tensors["token_ids"])
             finally:
                 if lock_fd is not None:
                     os.close(lock_fd)
@@ -291,45 +275,58 @@ def engine_overrides(layer_ids: Sequence[int], *, writer_threads: int = 8) -> di
     }
 
 
+def unwritten_chunks(paths: Sequence[Path]) -> list[Path]:
+    """The chunks of ``paths`` whose done marker is not there yet.
+
+    Raises:
+        RuntimeError: a chunk's ``.error`` file appeared (its text is the reason).
+    """
+    missing = []
+    for p in paths:
+        if not Path(p).exists():
+            if error_path(p).exists():
+                raise RuntimeError(f"vLLM extraction failed writing {p}: {error_path(p).read_text().strip()}")
+            missing.append(p)
+    return missing
+
+
 def wait_for_chunks(paths: Sequence[Path], *, timeout_s: float, poll_s: float = 0.05) -> None:
-    """Block until every chunk file exists (the engine writes them asynchronously).
+    """Block until every chunk's done marker exists (the engine writes them asynchronously).
 
     Raises:
         RuntimeError: a chunk's ``.error`` file appeared (its text is the reason), or
             ``timeout_s`` seconds passed with chunks still missing (names them).
     """
     deadline = time.monotonic() + timeout_s
-    missing = list(paths)
-    while missing:
-        for p in missing:
-            if error_path(p).exists():
-                raise RuntimeError(f"vLLM extraction failed writing {p}: {error_path(p).read_text().strip()}")
-        missing = [p for p in missing if not Path(p).exists()]
-        if not missing:
-            return
+    while missing := unwritten_chunks(paths):
         if time.monotonic() > deadline:
             raise RuntimeError(f"vLLM extraction: {len(missing)} chunk(s) not written after {timeout_s:.0f} s, e.g. {missing[0]}")
         time.sleep(poll_s)
+        paths = missing
 
 
 def _vllm_extraction_replica(job: dict, rank: int, chunks) -> None:
     """One vLLM engine of an extraction job: prefill the chunks it takes from ``chunks``.
 
-    Chunks go to the engine :data:`CHUNKS_PER_CALL` at a time, as one ``generate`` call of
-    ``max_tokens=1`` requests (the sampled token is discarded); the engine writes each
-    chunk shard asynchronously as soon as its last request is done, while the rest run. Writes ``replica-<rank>.json`` (model load seconds, extract seconds, tokens)
-    into the job's chunk store, like the ``hf`` backend.
+    Requests are ``max_tokens=1`` (the sampled token is discarded), fed to the engine
+    continuously: a chunk's requests are added while fewer than :data:`QUEUED_REQUESTS`
+    are unfinished, so the batch stays full until the last chunk. The engine writes each
+    request's states into the shard as soon as it is prefilled and a chunk's done marker
+    once all its requests are in. Writes ``replica-<rank>.json`` (model load, extract,
+    prefill and write-wait seconds, tokens) into the job's chunk store, like the ``hf``
+    backend.
     """
     from vllm import SamplingParams, TokensPrompt
 
     from .engine import build_llm, shutdown_llm
+    from .hidden_states import DONE_SUFFIX
     from .hygiene import ProcessRecord
     from .io import write_json_atomic
     from .resume import ChunkStore
     from .runtime import Timer, progress
 
-    cfg, samples, ranges = job["cfg"], job["samples"], job["ranges"]
-    store = ChunkStore.attach(job["out_shard"], ".safetensors")
+    samples, ranges, rows = job["samples"], job["ranges"], job["rows"]
+    store = ChunkStore.attach(job["out_shard"], DONE_SUFFIX)
     # the engine process imports the connector by module path
     os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])
     load = Timer()
@@ -346,8 +343,8 @@ def _vllm_extraction_replica(job: dict, rank: int, chunks) -> None:
     stem = Path(job["out_shard"]).name.removesuffix(".safetensors")
     pids = ProcessRecord(Path(job["out_shard"]).parents[1] / ".pids", f"extract-{stem}" if rank == 0 else f"extract-{stem}.replica{rank}")
     pids.record()
+    engine = llm.llm_engine
     run = Timer()
-    prefill_s = wait_s = 0.0  # inside generate calls; waiting for the engine's last chunk writes
     tokens = 0
     written: list[Path] = []
     bar = progress(
@@ -356,34 +353,41 @@ def _vllm_extraction_replica(job: dict, rank: int, chunks) -> None:
         unit="tok",
         unit_scale=True,
     )
+    chunks = iter(chunks)
+    more = True
+    outstanding: list[Path] = []  # chunks submitted and not yet marked done
+    next_check = time.monotonic() + 1.0
     try:
-        chunks = iter(chunks)
-        while group := list(itertools.islice(chunks, CHUNKS_PER_CALL)):
-            prompts, params = [], []
-            for i in group:
+        while True:
+            while more and engine.get_num_unfinished_requests() < QUEUED_REQUESTS:
+                i = next(chunks, None)
+                if i is None:
+                    more = False
+                    break
                 a, b = ranges[i]
-                path = store.path(i)
-                write_chunk_spec(
-                    path, samples[a:b], layer_ids=job["layer_ids"], aux_layer_ids=job["aux"], storage_dtype=cfg["storage_dtype"]
-                )
-                prompts += [TokensPrompt(prompt_token_ids=s.input_ids.tolist()) for s in samples[a:b]]
-                params += [
-                    SamplingParams(
+                marker = store.path(i)
+                write_chunk_spec(marker, samples[a:b], shard=job["shard_file"], rows=rows[a:b], layer_ids=job["layer_ids"])
+                for k, smp in enumerate(samples[a:b]):
+                    params = SamplingParams(
                         max_tokens=1,
                         temperature=0.0,
                         detokenize=False,
-                        extra_args={"kv_transfer_params": {"hidden_states_path": route(path, k)}},
+                        extra_args={"kv_transfer_params": {"hidden_states_path": route(marker, k)}},
                     )
-                    for k in range(b - a)
-                ]
-                written.append(path)
-            t = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            prefill_s += time.perf_counter() - t
-            n = sum(len(p["prompt_token_ids"]) for p in prompts)
-            tokens += n
-            bar.update(n)
-            logger.info("chunks %s of %d prefilled", [i + 1 for i in group], len(ranges))
+                    engine.add_request(f"{i}-{k}", TokensPrompt(prompt_token_ids=smp.input_ids.tolist()), params)
+                written.append(marker)
+                outstanding.append(marker)
+            if not engine.has_unfinished_requests():
+                break
+            if time.monotonic() > next_check:  # stop early when the engine failed to store a chunk
+                outstanding = unwritten_chunks(outstanding)
+                next_check = time.monotonic() + 1.0
+            for out in engine.step():
+                if out.finished:
+                    n = len(out.prompt_token_ids)
+                    tokens += n
+                    bar.update(n)
+        prefill_s = run.seconds
         t = time.perf_counter()
         wait_for_chunks(written, timeout_s=WRITE_TIMEOUT_S)
         wait_s = time.perf_counter() - t
