@@ -389,19 +389,26 @@ def _speculators_steady(log: str) -> dict:
     }
 
 
-def train_ours(args) -> dict:
-    from eagle3_pipeline.config import validate_config
+def _vocab(work: Path, draft_vocab: int) -> Path:
+    """The draft vocab (d2t, t2d, token_freq) of the samples' completions, in ``work/vocab``."""
     from eagle3_pipeline.io import read_jsonl, save_npy_atomic
-    from eagle3_pipeline.training import run_training
     from eagle3_pipeline.vocab import build_mapping, count_supervised_tokens
 
-    work = Path(args.work)
     counts = count_supervised_tokens((t["completion_token_ids"] for t in read_jsonl(work / "traces.jsonl")), LLAMA_8B["vocab_size"])
-    d2t, t2d = build_mapping(counts, args.draft_vocab)
+    d2t, t2d = build_mapping(counts, draft_vocab)
     vocab = work / "vocab"
     save_npy_atomic(vocab / "d2t.npy", d2t)
     save_npy_atomic(vocab / "t2d.npy", t2d)
     save_npy_atomic(vocab / "token_freq.npy", counts)
+    return vocab
+
+
+def train_ours(args) -> dict:
+    from eagle3_pipeline.config import validate_config
+    from eagle3_pipeline.training import run_training
+
+    work = Path(args.work)
+    vocab = _vocab(work, args.draft_vocab)
     cfg = validate_config(
         {
             "training": {
@@ -442,8 +449,9 @@ def train_speculators(args) -> dict:
 
     work = Path(args.work)
     data = work / "spec-data"
+    vocab = _vocab(work, args.draft_vocab)  # the same mapping as train_ours
     for name in ("d2t", "t2d"):
-        np.save(data / f"{name}-{args.draft_vocab}.npy", np.load(work / "vocab" / f"{name}.npy"))
+        np.save(data / f"{name}-{args.draft_vocab}.npy", np.load(vocab / f"{name}.npy"))
     out = work / "train-spec"
     shutil.rmtree(out, ignore_errors=True)
     cmd = [
@@ -453,6 +461,8 @@ def train_speculators(args) -> dict:
         "--epochs", "1", *(["--max-steps", str(args.steps)] if args.steps else []), "--lr", "1e-4", "--optimizer", "adamw",
         "--save-path", str(out / "checkpoints"), "--log-dir", str(out / "logs"), "--log-freq", "1",
         "--num-workers", "4", "--on-missing", "raise", "--train-data-ratio", "0.95",
+        # as train_drafter: speculators' fused Triton loss fails under torch.compile with torch 2.11
+        "--loss-implementation", "eager",
     ]  # fmt: skip
     t = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True)

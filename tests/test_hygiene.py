@@ -105,18 +105,27 @@ def _fake_smi(tmp_path, monkeypatch, apps: str):
 
 def test_busy_gpus_fail_fast_naming_pids_and_commands(tmp_path, monkeypatch):
     import os
+    import subprocess
 
     from eagle3_pipeline.hygiene import check_gpus_free, gpu_processes
 
-    me = os.getpid()
-    _fake_smi(tmp_path, monkeypatch, f"{me}, python, 71000, GPU-bbb\n1, vllm, 120000, GPU-aaa\n")
-    assert [p["pid"] for p in gpu_processes()] == [me, 1]
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    assert [p["pid"] for p in gpu_processes()] == [1]  # only the GPUs this job may use
-    with pytest.raises(RuntimeError, match=r"pid 1 \(120000 MiB on GPU-aaa\)"):
-        check_gpus_free()
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    check_gpus_free()  # only this process on GPU 1
+    me, parent = os.getpid(), os.getppid()
+    other = subprocess.Popen(["sleep", "60"])  # a live process that is not this one's ancestor
+    try:
+        _fake_smi(
+            tmp_path, monkeypatch, f"{me}, python, 71000, GPU-bbb\n{other.pid}, vllm, 120000, GPU-aaa\n{parent}, pytest, 500, GPU-aaa\n"
+        )
+        assert [p["pid"] for p in gpu_processes()] == [me, other.pid, parent]
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+        assert [p["pid"] for p in gpu_processes()] == [other.pid, parent]  # only the GPUs this job may use
+        # the other process is named; this process's ancestors (e.g. the caller) are not
+        with pytest.raises(RuntimeError, match=rf"in use by:\n  pid {other.pid} \(120000 MiB on GPU-aaa\)[^\n]*\nstop"):
+            check_gpus_free()
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+        check_gpus_free()  # only this process on GPU 1
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_no_nvidia_smi_means_no_gpu_check(monkeypatch):

@@ -214,10 +214,17 @@ def gpu_processes() -> list[dict]:
 def check_gpus_free() -> None:
     """Fail fast when other processes hold memory on the GPUs this stage will use.
 
+    This process and its ancestors are not counted: they are alive and running this
+    stage (e.g. a test runner or notebook that called the stage function), not a
+    leftover such as a vLLM server or a killed stage's engine.
+
     Raises:
         RuntimeError: listing each pid, its memory and command line, and what to do.
     """
-    procs = [p for p in gpu_processes() if p["pid"] != os.getpid()]
+    import psutil
+
+    own = {os.getpid()} | {a.pid for a in psutil.Process().parents()}
+    procs = [p for p in gpu_processes() if p["pid"] not in own]
     if procs:
         lines = "\n".join(f"  pid {p['pid']} ({p['used_mib']} MiB on {p['gpu_uuid']}): {p['cmdline']}" for p in procs)
         raise RuntimeError(
