@@ -263,12 +263,13 @@ def test_a_killed_vllm_extraction_resumes_and_its_engines_are_ended(tmp_path, ta
     assert not [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert not record.exists()
     assert not shard.exists()  # nothing that looks finished
+    # the engine was ended: the done chunks are final (on a GPU all 20 may be done before the kill)
     done = len(list(partial.glob("chunk-*.done")))
-    assert 1 <= done < 20
+    assert done >= 1
     job = subprocess.run([*job.args[:-1], json.dumps(ex)], capture_output=True, text=True)
     assert job.returncode == 0, job.stderr[-3000:]
     index = json.loads(shard.with_suffix(".index.json").read_text())
-    assert index["chunks"] == 20 and index["chunks_resumed"] >= done and not partial.exists()
+    assert index["chunks"] == 20 and index["chunks_resumed"] == done and not partial.exists()
     hf = run_extraction_shard(
         str(traces), str(tmp_path / "hf.safetensors"), str(tmp_path / "hf.index.json"), str(target_dir), ex | {"backend": "hf"},
         max_seq_len=512, trust_remote_code=False, host_lock_enabled=False,
