@@ -7,6 +7,9 @@ min_version("9.0")
 configfile: "config/config.yaml"
 
 
+report: "report/workflow.rst"
+
+
 include: "rules/common.smk"
 include: "rules/prepare_target_model.smk"
 include: "rules/prepare_prompts.smk"
@@ -16,6 +19,7 @@ include: "rules/extract_hidden_states.smk"
 include: "rules/train_drafter.smk"
 include: "rules/evaluate_drafter.smk"
 include: "rules/summarize_run.smk"
+include: "rules/plot_run.smk"
 include: "rules/verify.smk"
 include: "rules/plan.smk"
 

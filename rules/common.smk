@@ -187,7 +187,12 @@ check_config_against_target()
 
 
 def get_final_outputs():
-    return [f"results/{RUN}/eval/acceptance.json", f"results/{RUN}/summary.json"]
+    """What a run makes: tau, the run summary and the report's figures (rule plot_run)."""
+    return [
+        f"results/{RUN}/eval/acceptance.json",
+        f"results/{RUN}/summary.json",
+        *rules.plot_run.output,
+    ]
 
 
 def print_plan():

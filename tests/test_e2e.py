@@ -252,6 +252,7 @@ def test_dry_run_is_clean_and_changes_rerun_exactly_the_dependents(run):
         "train_drafter": 1,
         "evaluate_drafter": 1,
         "summarize_run": 1,
+        "plot_run": 1,
         "all": 1,
     }
     # the host-wide lock (off on a cluster) is read from the config, not a rule param: nothing reruns
@@ -261,11 +262,11 @@ def test_dry_run_is_clean_and_changes_rerun_exactly_the_dependents(run):
     assert dry_run_jobs(wd, _changed(wd, "dp", **dp)) == Counter()
     # draft vocab size: vocab, training, evaluation; traces and hidden states are kept
     assert dry_run_jobs(wd, _changed(wd, "vocab", vocab={"draft_vocab_size": 1024})) == Counter(
-        {"build_vocab_mapping": 1, "train_drafter": 1, "evaluate_drafter": 1, "summarize_run": 1, "all": 1}
+        {"build_vocab_mapping": 1, "train_drafter": 1, "evaluate_drafter": 1, "summarize_run": 1, "plot_run": 1, "all": 1}
     )
     # layer ids: extraction and everything after it, not generation or vocab
     assert dry_run_jobs(wd, _changed(wd, "layers", extraction={**SMALL["extraction"], "aux_layer_ids": [1, 15, 27]})) == Counter(
-        {"extract_hidden_states": 2, "train_drafter": 1, "evaluate_drafter": 1, "summarize_run": 1, "all": 1}
+        {"extract_hidden_states": 2, "train_drafter": 1, "evaluate_drafter": 1, "summarize_run": 1, "plot_run": 1, "all": 1}
     )
     # prompts: the prompt set and all that derives from it; the target and eval prompts stay
     assert dry_run_jobs(wd, _changed(wd, "prompts", prompts={**SMALL["prompts"], "max_prompts": 11})) == Counter(

@@ -43,6 +43,7 @@ EXPECTED_JOBS = {
     "rule_train_drafter": "train_drafter",
     "rule_evaluate_drafter": "evaluate_drafter",
     "rule_summarize_run": "summarize_run",
+    "rule_plot_run": "plot_run",
 }
 SACCT_FIELDS = [
     "JobIDRaw",

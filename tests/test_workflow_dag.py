@@ -47,7 +47,16 @@ def test_kimi_example_dry_runs_with_tp8_full_model_jobs(tmp_path):
     assert r.returncode == 0, r.stderr + r.stdout
     out = r.stdout
     assert "prepare_target_model" not in out  # a user target is not materialized
-    for rule in ("prepare_prompts", "generate_traces", "build_vocab_mapping", "extract_hidden_states", "train_drafter", "evaluate_drafter"):
+    for rule in (
+        "prepare_prompts",
+        "generate_traces",
+        "build_vocab_mapping",
+        "extract_hidden_states",
+        "train_drafter",
+        "evaluate_drafter",
+        "summarize_run",
+        "plot_run",  # the report's figures are part of the default target
+    ):
         assert rule in out
     blocks = re.split(r"^\[.*\d{4}\]$", out, flags=re.M)  # one block per job, after its timestamp line
     gen = next(b for b in blocks if "rule generate_traces:" in b)

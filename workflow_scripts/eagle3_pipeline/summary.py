@@ -34,6 +34,7 @@ def summarize(prompts: str, traces: list[str], coverage: str, hidden_indexes: li
         "truncated": sum(t["truncated"] for t in ts),
         "rejected": sum(t["rejected"] for t in ts),
         "rejects_by_reason": dict(sorted(gen_rejects.items())),
+        "reasoning_captured": reasoning,
         "reasoning_capture_rate": reasoning / ok if ok else 0.0,
         "prompt_tokens": sum(t["prompt_tokens"] for t in ts),
         "completion_tokens": sum(t["completion_tokens"] for t in ts),
