@@ -465,7 +465,8 @@ def train_speculators(args) -> dict:
         "--loss-implementation", "eager",
     ]  # fmt: skip
     t = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    # rich wraps log records at 80 columns when not on a terminal; one record per line for the parser
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "COLUMNS": "1000"})
     wall = time.perf_counter() - t
     (work / "speculators-train.log").write_text(r.stdout + r.stderr)
     if r.returncode != 0:

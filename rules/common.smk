@@ -73,6 +73,8 @@ if _X["backend"] == "vllm":
     # transformers-only settings do not change what vLLM writes: no rerun when they change
     for _k in ("batch_tokens", "device"):
         EXTRACTION_PARAMS.pop(_k)
+# loader processes change when batches are read, not which: no rerun when they change
+TRAINING_PARAMS = {k: v for k, v in config["training"].items() if k != "loader_workers"}
 THREADS = config["resources"]["threads"]
 
 

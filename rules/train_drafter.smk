@@ -19,7 +19,7 @@ rule train_drafter:
         gpu=config["resources"]["train_gpus"],
     params:
         trust_remote_code=config["target"]["trust_remote_code"],
-        training=config["training"],
+        training=TRAINING_PARAMS,
         init_identity=get_init_drafter_identity(),
         train_processes=TRAIN_PROCESSES,
         seed=config["seed"],

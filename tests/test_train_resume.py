@@ -1,4 +1,5 @@
-"""A killed train_drafter resumes from its checkpoint and ends with the same weights."""
+"""A killed train_drafter resumes from its checkpoint and ends with the same weights (also when the rerun
+reads its batches with loader processes)."""
 
 import json
 import os
@@ -17,9 +18,9 @@ from eagle3_pipeline.config import validate_config
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _train(work: Path, target: Path, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+def _train(work: Path, target: Path, env_extra: dict | None = None, **cfg_extra) -> subprocess.CompletedProcess:
     cfg = validate_config(
-        {"training": {"epochs": 2, "pack_tokens": 256, "checkpoint_every_steps": 1, "val_fraction": 0.2, "log_every_steps": 1}}
+        {"training": {"epochs": 2, "pack_tokens": 256, "checkpoint_every_steps": 1, "val_fraction": 0.2, "log_every_steps": 1} | cfg_extra}
     )["training"]
     code = f"""
     import logging, sys
@@ -44,7 +45,8 @@ def test_killed_training_resumes_to_the_same_weights(tmp_path, target_dir):
     r = _train(killed, target_dir, {"EAGLE3_FAULT_KILL_AFTER_STEPS": "3"})
     assert r.returncode == -signal.SIGKILL
     assert not (killed / "drafter").exists() and (killed / "train" / ".checkpoint" / "state.pt").is_file()
-    r = _train(killed, target_dir)
+    # the rerun reads its batches with 2 loader processes (the others with none): same batches, same weights
+    r = _train(killed, target_dir, loader_workers=2)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming training from its checkpoint at step 3/" in r.stderr
     a, b = load_file(str(ref / "drafter" / "model.safetensors")), load_file(str(killed / "drafter" / "model.safetensors"))

@@ -20,7 +20,8 @@ if __name__ == "__main__":
             "target_path": str(Path(sm.input.target).resolve()),
             "out_dir": sm.output.drafter,
             "metrics_path": sm.output.metrics,
-            "cfg": sm.params.training,
+            # loader_workers is config, not a param: no rerun when it changes
+            "cfg": sm.params.training | {"loader_workers": sm.config["training"]["loader_workers"]},
             "seed": sm.params.seed,
             "max_seq_len": sm.params.max_seq_len,
             "trust_remote_code": sm.params.trust_remote_code,

@@ -292,7 +292,43 @@ def _barrier(ctx: DistContext) -> None:
 
 def _batch_to(batch: dict, device: str) -> dict:
     keep = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids", "verifier_last_hidden_states")
-    return {k: batch[k].to(device) for k in keep}
+    return {k: batch[k].to(device, non_blocking=True) for k in keep}
+
+
+def loader_workers(cfg: dict, device: str) -> int:
+    """Loader processes that read and pack the next micro-batches while the device computes.
+
+    ``cfg["loader_workers"]`` when set; else 4 on a GPU (speculators' own trainer uses
+    worker processes too: a pack of an 8B target's states is ~270 MB to read, concatenate
+    and copy) and 0 on a CPU, where workers would take cores from the training itself.
+    """
+    if cfg.get("loader_workers") is not None:
+        return int(cfg["loader_workers"])
+    return 4 if device.startswith("cuda") else 0
+
+
+def micro_batches(dataset, collate, packs: list[list[int]], *, workers: int, pin_memory: bool):
+    """Iterator of collated micro-batches, one per entry of ``packs`` (sample indices), in order.
+
+    With ``workers > 0`` the packs are read and collated by that many forked loader
+    processes, up to 4 packs ahead each, into pinned memory when ``pin_memory`` (so the
+    host-to-device copy is asynchronous); the batches are the same as with ``workers = 0``
+    (collation is deterministic), only their timing changes.
+    """
+    from torch.utils.data import DataLoader
+
+    if not packs:
+        return iter(())
+    return iter(
+        DataLoader(
+            dataset,
+            batch_sampler=packs,
+            collate_fn=collate,
+            num_workers=workers,
+            pin_memory=pin_memory,
+            prefetch_factor=4 if workers else None,
+        )
+    )
 
 
 def evaluate_offline(model, loader, call_kwargs: dict, device: str, autocast_dtype) -> dict:
@@ -477,7 +513,8 @@ def train(
     )
     ckpt = TrainCheckpoint(
         Path(metrics_path).parent / ".checkpoint",
-        _train_fingerprint(shards, vocab_dir, target_path, {**cfg, "world_size": world}, seed, max_seq_len),
+        # loader processes do not change the batches: a resume may use another number
+        _train_fingerprint(shards, vocab_dir, target_path, {**cfg, "world_size": world, "loader_workers": None}, seed, max_seq_len),
     )
     state = ckpt.load()
     step, tokens_seen, start_epoch, start_batch = 0, 0, 0, 0
@@ -515,6 +552,7 @@ def train(
     sampler = train_loader.batch_sampler
     collate = train_loader.collate_fn
     every = cfg["checkpoint_every_steps"]
+    workers = loader_workers(cfg, device)
 
     def snapshot(epoch: int, batch: int) -> None:
         model_sd, opt_sds = _full_state(model, optimizers, ctx)
@@ -551,17 +589,24 @@ def train(
                 len(batches),
                 per_step,
             )
-        for si in range(epoch_steps):
-            if epoch == start_epoch and si < start_batch:
-                continue  # done before the restart
-            if step >= total_steps:
-                break
+        first = start_batch if epoch == start_epoch else 0  # steps done before a restart are skipped
+        last = min(epoch_steps, first + total_steps - step)
+        # this rank's micro-batches of the epoch's remaining steps, read ahead by loader workers
+        mine = micro_batches(
+            train_ds,
+            collate,
+            [batches[si * per_step + a * world + ctx.rank] for si in range(first, last) for a in range(accum)],
+            workers=workers,
+            pin_memory=device.startswith("cuda"),
+        )
+        for si in range(first, last):
             for opt in optimizers:
                 opt.zero_grad(set_to_none=True)
             sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=device))
             for a in range(accum):
-                idxs = batches[si * per_step + a * world + ctx.rank]
-                b = _batch_to(collate([train_ds[i] for i in idxs]), device)
+                host = next(mine)
+                sums["tokens"] = sums["tokens"] + float((host["document_ids"] != -1).sum())
+                b = _batch_to(host, device)
                 sync = contextlib.nullcontext() if ctx.parallelism != "ddp" or a == accum - 1 else model.no_sync()
                 with sync:
                     with torch.autocast(device.split(":")[0], dtype=autocast, enabled=autocast is not None):
@@ -569,7 +614,6 @@ def train(
                     (loss / accum).backward()
                 for k, v in metrics.items():
                     sums[k] = sums[k] + v.detach().float()
-                sums["tokens"] = sums["tokens"] + (b["document_ids"] != -1).sum().float()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             for opt in optimizers:
                 opt.step()
@@ -604,6 +648,7 @@ def train(
                 warm_mark = (timer.seconds, tokens_seen)
             if every and step % every == 0 and step < total_steps and si + 1 < epoch_steps:
                 snapshot(epoch, si + 1)
+        mine = None  # ends the epoch's loader workers
         if val_loader is not None:
             val_metrics = evaluate_offline(eval_model, val_loader, call_kwargs, device, autocast)
             lines.append({"split": "val", "step": step, "epoch": epoch, **val_metrics})
