@@ -20,6 +20,7 @@ include: "rules/train_drafter.smk"
 include: "rules/evaluate_drafter.smk"
 include: "rules/summarize_run.smk"
 include: "rules/plot_run.smk"
+include: "rules/write_manifest.smk"
 include: "rules/verify.smk"
 include: "rules/plan.smk"
 

@@ -2,6 +2,7 @@
 # The only place with Python helpers; rules call these by name.
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(workflow.basedir) / "workflow_scripts"))
 
@@ -189,12 +190,91 @@ check_config_against_target()
 
 
 def get_final_outputs():
-    """What a run makes: tau, the run summary and the report's figures (rule plot_run)."""
+    """What a run makes: tau, the run summary, the report's figures (rule plot_run) and the run manifest."""
     return [
         f"results/{RUN}/eval/acceptance.json",
         f"results/{RUN}/summary.json",
         *rules.plot_run.output,
+        *rules.write_manifest.output,
     ]
+
+
+# Rules whose outputs the run manifest (rule write_manifest) describes, in DAG order.
+LINEAGE_RULES = (
+    "prepare_target_model",
+    "prepare_prompts",
+    "prepare_eval_prompts",
+    "generate_traces",
+    "build_vocab_mapping",
+    "extract_hidden_states",
+    "train_drafter",
+    "evaluate_drafter",
+    "summarize_run",
+    "plot_run",
+)
+
+
+def _lineage_paths(files, wildcards):
+    """``{name: [paths]}`` of a rule's input or output files for one job's wildcards."""
+
+    def resolve(item):
+        if callable(item):
+            item = item(wildcards)
+        items = [item] if isinstance(item, str) else list(item)
+        return [str(x).format(**vars(wildcards)) for x in items]
+
+    named = {name: resolve(item) for name, item in files.items()}
+    if not named:  # unnamed: summarize_run's output, prepare_target_model's...
+        unnamed = [p for item in files for p in resolve(item)]
+        named = {"": unnamed} if unnamed else {}
+    return named
+
+
+def _lineage_sources(rule_name):
+    """Files outside the workflow's outputs that a rule reads, as source descriptions."""
+    init = config["training"]["init_from"]
+    warm_start = [{"type": "drafter", "path": init}] if init else []
+    return {
+        "prepare_target_model": [{"type": "builtin_target"}],
+        "prepare_prompts": config["prompts"]["sources"]
+        + [config["evaluation"]["prompts"]],
+        "prepare_eval_prompts": [config["evaluation"]["prompts"]],
+        "build_vocab_mapping": warm_start,
+        "train_drafter": warm_start,
+    }.get(rule_name, [])
+
+
+def get_lineage_jobs(wildcards=None):
+    """Every job of the run as ``{rule, wildcards, inputs, outputs, sources}``, from the rules themselves.
+
+    Read from each rule's declared input and output files (``rules.<name>``), so the
+    manifest's graph is the workflow's graph; per-shard rules give one job per shard.
+    """
+    jobs = []
+    for name in LINEAGE_RULES:
+        if name == "prepare_target_model" and not is_builtin_target():
+            continue
+        proxy = getattr(rules, name)
+        per_shard = any("{shard}" in str(f) for f in proxy.output)
+        for shard in SHARDS if per_shard else [None]:
+            wc = SimpleNamespace(**({"shard": shard} if shard else {}))
+            jobs.append(
+                {
+                    "rule": name,
+                    "wildcards": vars(wc),
+                    "inputs": _lineage_paths(proxy.input, wc),
+                    "outputs": _lineage_paths(proxy.output, wc),
+                    "sources": _lineage_sources(name),
+                }
+            )
+    return jobs
+
+
+def get_lineage_outputs(wildcards):
+    """Every output file of the run's jobs (the run manifest's inputs)."""
+    return sorted(
+        {p for job in get_lineage_jobs() for ps in job["outputs"].values() for p in ps}
+    )
 
 
 def print_plan():

@@ -9,5 +9,6 @@ rule verify:
             f"results/{RUN}/hidden_states/shard-{{shard}}.safetensors",
             shard=SHARDS,
         ),
+        manifest=f"results/{RUN}/manifest.json",
     script:
         "../workflow_scripts/verify.py"

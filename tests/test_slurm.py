@@ -44,6 +44,7 @@ EXPECTED_JOBS = {
     "rule_evaluate_drafter": "evaluate_drafter",
     "rule_summarize_run": "summarize_run",
     "rule_plot_run": "plot_run",
+    "rule_write_manifest": "write_manifest",
 }
 SACCT_FIELDS = [
     "JobIDRaw",
@@ -211,8 +212,25 @@ def test_outputs_equal_the_local_run(slurm_run, request):
         assert (local / f).read_bytes() == (remote / f).read_bytes(), f
     # every JSON output (counts, coverage, shard manifests with their SHA-256, losses per step,
     # tau, summaries) equal but for wall-clock figures and run directory paths
-    for f in (f for f in files if f.suffix in (".json", ".jsonl") and f not in byte_equal):
+    for f in (f for f in files if f.suffix in (".json", ".jsonl") and f not in byte_equal and f != Path("manifest.json")):
         a, b = _json_without_run_specifics(local / f, local_wd), _json_without_run_specifics(remote / f, slurm_run.wd)
         assert a == b, f
+    # the run manifest: the same graph, the same hashes of the byte-equal files, the same identity
+    # (files with wall-clock figures or paths, e.g. train/summary.json or drafter/config.json, hash differently)
+    ma, mb = (json.loads((r / "manifest.json").read_text()) for r in (local, remote))
+    assert ma["artifacts"].keys() == mb["artifacts"].keys()
+
+    def edges(node):
+        return node["rule"], node["wildcards"], [(i["name"], i["path"]) for i in node["inputs"]]
+
+    for k in ma["artifacts"]:
+        assert edges(ma["artifacts"][k]) == edges(mb["artifacts"][k]), k
+    for f in byte_equal:
+        a, b = ((m["artifacts"].get(str(f)) or m["artifacts"][f.parts[0]]["files"][Path(*f.parts[1:]).as_posix()]) for m in (ma, mb))
+        assert a["sha256"] == b["sha256"], f
+    for key in ("target", "engine", "sampling", "vocab", "layer_ids", "prompts", "evaluation_prompts"):
+        assert ma["identity"][key] == mb["identity"][key], key
+    assert ma["identity"]["training"]["config"] == mb["identity"]["training"]["config"]
+    assert all(c["ok"] for c in ma["checks"] + mb["checks"])
     acc = json.loads((remote / "eval/acceptance.json").read_text())
     assert acc["num_drafts"] > 0 and acc["acceptance_length"] >= 1.0

@@ -52,7 +52,7 @@ def test_profile_dry_run_gives_each_rule_its_sbatch_resources(tmp_path):
     assert (res["evaluate_drafter"]["runtime"], res["evaluate_drafter"]["gpu"]) == ("240", "1")
     assert res["generate_traces"]["full_model"] == "1" and res["generate_traces"]["tasks_per_gpu"] == "0"
     assert (res["prepare_prompts"]["mem_mb"], res["prepare_prompts"]["runtime"]) == ("8000", "60")
-    assert all("gpu" not in res[rule] for rule in ("prepare_prompts", "summarize_run", "plot_run"))
+    assert all("gpu" not in res[rule] for rule in ("prepare_prompts", "summarize_run", "plot_run", "write_manifest"))
 
 
 def test_host_lock_in_a_config_mapping_is_read_as_a_boolean(tmp_path):

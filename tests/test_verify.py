@@ -24,7 +24,7 @@ def make_run(tmp_path):
 
 def test_intact_run_verifies(tmp_path):
     traces, hs = make_run(tmp_path)
-    assert verify_run([str(traces)], [str(hs)]) == {"checked": 2, "problems": []}
+    assert verify_run([str(traces)], [str(hs)]) == {"checked": 2, "manifest": None, "problems": []}
 
 
 def test_truncated_hidden_state_shard_is_named(tmp_path):

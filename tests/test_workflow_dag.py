@@ -56,6 +56,7 @@ def test_kimi_example_dry_runs_with_tp8_full_model_jobs(tmp_path):
         "evaluate_drafter",
         "summarize_run",
         "plot_run",  # the report's figures are part of the default target
+        "write_manifest",  # so is the run manifest
     ):
         assert rule in out
     blocks = re.split(r"^\[.*\d{4}\]$", out, flags=re.M)  # one block per job, after its timestamp line

