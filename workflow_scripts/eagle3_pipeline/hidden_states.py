@@ -736,6 +736,9 @@ def run_extraction_shard(
         need += tokens * len(layer_ids) * 4 if dtype == FP8 else 0  # per-row scales
         check_disk(out_shard, need, what=f"extraction of {traces_path}", override_key="extraction.disk_preflight")
     fingerprint = extraction_fingerprint(traces_path, target, cfg, max_seq_len)
+    # engines of a killed earlier job may still be writing into the partial shard: end them
+    # before counting its done chunks (and before the GPU check below)
+    cleanup_stale_processes(Path(out_shard).parents[1] / ".pids")
     store = ChunkStore(out_shard, fingerprint, DONE_SUFFIX)
     for old in store.dir.glob("replica-*.json"):
         old.unlink()
@@ -746,7 +749,6 @@ def run_extraction_shard(
     replicas = cfg.get("data_parallel_size") or 1
     if todo:
         with host_lock(enabled=host_lock_enabled):
-            cleanup_stale_processes(Path(out_shard).parents[1] / ".pids")  # engines of a killed earlier job
             check_gpus_free()
             job = {
                 "cfg": cfg,
