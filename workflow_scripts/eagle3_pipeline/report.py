@@ -228,7 +228,8 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 def loss_figure(metrics: Mapping[str, list[dict]]) -> Figure:
     """Training loss per optimizer step: left, the total (sum over draft positions); right, each
-    position's cross-entropy (nats). Lines: training batches as logged; points: validation at
+    position's loss (speculators' ``training.loss``, e.g. KL divergence to the target's
+    distribution, nats). Lines: training batches as logged; points: validation at
     each epoch end."""
     fig = Figure(figsize=(10, 3.8), layout="constrained")
     axes = fig.subplots(1, 2)
@@ -244,7 +245,7 @@ def loss_figure(metrics: Mapping[str, list[dict]]) -> Figure:
     axes[1].set_title("per-position loss (points: validation)", fontsize=10)
     for ax in axes:
         ax.set_xlabel("step")
-        ax.set_ylabel("cross-entropy (nats)")
+        ax.set_ylabel("loss (nats)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     return fig
