@@ -183,3 +183,16 @@ def sha256_json(obj: Any) -> str:
     """Hex SHA-256 of the canonical JSON encoding of ``obj`` (sorted keys, no spaces)."""
     data = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(data.encode("utf-8")).hexdigest()
+
+
+def directory_digest(files: dict[str, dict]) -> str:
+    """Hex SHA-256 of a directory listing ``{relative path: {"bytes", "sha256"}}``.
+
+    One line ``<relative path>\0<bytes>\0<sha256>\n`` per file, in path order: the digest
+    of :func:`eagle3_pipeline.target_model.model_fingerprint` and of the run manifest's
+    directories (:mod:`eagle3_pipeline.lineage`).
+    """
+    h = hashlib.sha256()
+    for rel in sorted(files):
+        h.update(f"{rel}\0{files[rel]['bytes']}\0{files[rel]['sha256']}\n".encode())
+    return h.hexdigest()

@@ -66,7 +66,7 @@ from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from .io import read_json, sha256_file, sha256_json, write_json_atomic
+from .io import directory_digest, read_json, sha256_file, sha256_json, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -114,16 +114,6 @@ class Hasher:
         for f in sorted(x for x in root.rglob("*") if x.is_file() and not x.name.startswith(".")):
             files[f.relative_to(root).as_posix()] = {"bytes": f.stat().st_size, "sha256": self.file(f)}
         return files, directory_digest(files)
-
-
-def directory_digest(files: dict[str, dict]) -> str:
-    """Hex SHA-256 of a directory listing ``{relative path: {"bytes", "sha256"}}``."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for rel in sorted(files):
-        h.update(f"{rel}\0{files[rel]['bytes']}\0{files[rel]['sha256']}\n".encode())
-    return h.hexdigest()
 
 
 def library_versions() -> dict[str, str]:

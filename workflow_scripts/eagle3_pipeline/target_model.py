@@ -112,8 +112,10 @@ def model_fingerprint(path: str | os.PathLike, full_hash_limit_bytes: int = 64 <
     bytes are hashed, so fingerprinting a 500 GB checkpoint stays fast while any
     re-save, re-quantization or truncation still changes it.
     """
+    from .io import directory_digest
+
     p = Path(path)
-    h = hashlib.sha256()
+    files = {}
     for f in sorted(x for x in p.rglob("*") if x.is_file() and not x.name.startswith(".")):
         size = f.stat().st_size
         fh = hashlib.sha256()
@@ -125,8 +127,8 @@ def model_fingerprint(path: str | os.PathLike, full_hash_limit_bytes: int = 64 <
                 fh.update(fp.read(half))
                 fp.seek(size - half)
                 fh.update(fp.read(half))
-        h.update(f"{f.relative_to(p).as_posix()}\0{size}\0{fh.hexdigest()}\n".encode())
-    return h.hexdigest()
+        files[f.relative_to(p).as_posix()] = {"bytes": size, "sha256": fh.hexdigest()}
+    return directory_digest(files)
 
 
 def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
