@@ -575,9 +575,13 @@ def read_shard(path: str | os.PathLike) -> tuple[list[Sample], list[torch.Tensor
 DONE_SUFFIX = ".done"
 
 
-def mark_chunk_done(marker: str | os.PathLike, samples: Sequence[Sample]) -> None:
-    """Write a chunk's done marker: its states are in the job's shard (a small JSON record)."""
-    Path(marker).write_text(json.dumps({"samples": len(samples), "tokens": int(sum(len(s.input_ids) for s in samples))}) + "\n")
+def mark_chunk_done(marker: str | os.PathLike, num_samples: int, num_tokens: int) -> None:
+    """Write a chunk's done marker, ``{"samples", "tokens"}``: its states are in the job's shard.
+
+    Written to ``marker`` as given: callers pass a temporary path that they rename into
+    place (:meth:`eagle3_pipeline.resume.ChunkStore.writing`, :func:`eagle3_pipeline.io.atomic_path`).
+    """
+    Path(marker).write_text(json.dumps({"samples": int(num_samples), "tokens": int(num_tokens)}) + "\n")
 
 
 def prepare_partial_shard(store, samples: Sequence[Sample], **layout) -> Path:
@@ -637,7 +641,7 @@ def _extraction_replica(job: dict, rank: int, chunks) -> None:
         with store.writing(i) as marker:
             for k, x in enumerate(states):
                 shard.write_states(rows[a + k], x)
-            mark_chunk_done(marker, samples[a:b])
+            mark_chunk_done(marker, b - a, sum(len(x.input_ids) for x in samples[a:b]))
         logger.info("chunk %d/%d done (samples %d-%d)", i + 1, len(ranges), a, b - 1)
 
     # a chunk is written by a background thread while the next one is extracted (one in flight)

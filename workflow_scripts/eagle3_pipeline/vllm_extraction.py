@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from .io import write_text_atomic
+from .io import atomic_path, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class ChunkFiller:
                 out of range; FloatingPointError: NaN/Inf states. Either is also written
                 to ``<marker>.error`` for the driver.
         """
-        from .hidden_states import ShardWriter
+        from .hidden_states import ShardWriter, mark_chunk_done
 
         try:
             with self._lock:
@@ -157,8 +157,8 @@ class ChunkFiller:
                 if len(done) < len(spec["sample_ids"]):
                     return False
                 del self._pending[marker]
-            tokens = sum(len(x) for x in spec["input_ids"])
-            write_text_atomic(marker, json.dumps({"samples": len(done), "tokens": tokens}) + "\n")
+            with atomic_path(marker) as tmp:
+                mark_chunk_done(tmp, len(done), sum(len(x) for x in spec["input_ids"]))
             spec_path(marker).unlink(missing_ok=True)
             return True
         except Exception as e:
