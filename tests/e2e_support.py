@@ -1,5 +1,7 @@
-"""The reduced end-to-end configuration and runner shared by test_e2e.py and test_slurm.py."""
+"""The reduced end-to-end configuration, runner and command line shared by the workflow tests."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
@@ -17,6 +19,15 @@ SMALL = {
     "training": {"epochs": 2, "pack_tokens": 1024, "val_fraction": 0.2, "log_every_steps": 1},
     "evaluation": {"max_prompts": 4, "max_tokens": 32},
 }
+
+
+def snakemake_cli(workdir: Path, configfile: Path, *options: str, targets: tuple[str, ...] = (), **run_kw) -> subprocess.CompletedProcess:
+    """``python -m snakemake <options> -s Snakefile -d <workdir> --configfile <configfile> [-- <targets>]``,
+    the command line a user types, run with its output captured (``run_kw``: more ``subprocess.run`` arguments)."""
+    cmd = [sys.executable, "-m", "snakemake", *options, "-s", str(ROOT / "Snakefile"), "-d", str(workdir), "--configfile", str(configfile)]
+    if targets:
+        cmd += ["--", *targets]  # --configfile takes several values
+    return subprocess.run(cmd, capture_output=True, text=True, **run_kw)
 
 
 def make_workdir(wd: Path, config: dict = SMALL) -> Path:

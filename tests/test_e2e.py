@@ -8,8 +8,6 @@ import hashlib
 import json
 import re
 import shutil
-import subprocess
-import sys
 from collections import Counter
 from datetime import datetime
 from pathlib import Path
@@ -18,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from e2e_support import SMALL
+from e2e_support import SMALL, snakemake_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.e2e
@@ -28,25 +26,7 @@ FULL_MODEL_RULES = {"generate_traces", "extract_hidden_states", "evaluate_drafte
 
 def dry_run_jobs(workdir: Path, configfile: Path) -> Counter:
     """Jobs `snakemake -n` would run, by rule (the CLI a user types)."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "-n",
-            "--cores",
-            "2",
-            "-s",
-            str(ROOT / "Snakefile"),
-            "-d",
-            str(workdir),
-            "--configfile",
-            str(configfile),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    out = snakemake_cli(workdir, configfile, "-n", "--cores", "2", check=True).stdout
     if "Nothing to be done" in out:
         return Counter()
     table = out[out.index("Job stats:") :].split("\n")
@@ -191,25 +171,7 @@ def test_run_summary_totals_every_reject(run):
 
 def test_verify_target_passes_on_the_finished_run(run):
     wd, cfg, _ = run
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "--cores",
-            "1",
-            "-s",
-            str(ROOT / "Snakefile"),
-            "-d",
-            str(wd),
-            "--configfile",
-            str(cfg),
-            "--",  # --configfile takes several values
-            "verify",
-        ],
-        capture_output=True,
-        text=True,
-    )
+    r = snakemake_cli(wd, cfg, "--cores", "1", targets=("verify",))
     assert r.returncode == 0, r.stderr[-2000:]
     log = (wd / "logs" / "e2e" / "verify.log").read_text()
     assert "all 4 shards match their manifests" in log and "every file in results/e2e/manifest.json matches" in log
@@ -362,44 +324,19 @@ def _changed(wd: Path, name: str, **section) -> Path:
 def test_dry_run_is_clean_and_changes_rerun_exactly_the_dependents(run):
     wd, cfg, _ = run
     assert dry_run_jobs(wd, cfg) == Counter()
-    downstream_of_traces = {
-        "build_vocab_mapping": 1,
-        "extract_hidden_states": 2,
-        "train_drafter": 1,
-        "evaluate_drafter": 1,
-        "summarize_run": 1,
-        "plot_run": 1,
-        "write_manifest": 1,
-        "all": 1,
-    }
+    # training and all after it (the run's summary, plots, manifest)
+    from_training = {"train_drafter": 1, "evaluate_drafter": 1, "summarize_run": 1, "plot_run": 1, "write_manifest": 1, "all": 1}
+    downstream_of_traces = {"build_vocab_mapping": 1, "extract_hidden_states": 2, **from_training}
     # the host-wide lock (off on a cluster) is read from the config, not a rule param: nothing reruns
     assert dry_run_jobs(wd, _changed(wd, "nolock", resources={"host_lock": False})) == Counter()
     # so are the data-parallel sizes: how many replicas share a job's chunks
     dp = {"vllm": {**SMALL["vllm"], "data_parallel_size": 2}, "extraction": {**SMALL["extraction"], "gpus_per_replica": 2}}
     assert dry_run_jobs(wd, _changed(wd, "dp", **dp)) == Counter()
     # draft vocab size: vocab, training, evaluation; traces and hidden states are kept
-    assert dry_run_jobs(wd, _changed(wd, "vocab", vocab={"draft_vocab_size": 1024})) == Counter(
-        {
-            "build_vocab_mapping": 1,
-            "train_drafter": 1,
-            "evaluate_drafter": 1,
-            "summarize_run": 1,
-            "plot_run": 1,
-            "write_manifest": 1,
-            "all": 1,
-        }
-    )
+    assert dry_run_jobs(wd, _changed(wd, "vocab", vocab={"draft_vocab_size": 1024})) == Counter({"build_vocab_mapping": 1, **from_training})
     # layer ids: extraction and everything after it, not generation or vocab
     assert dry_run_jobs(wd, _changed(wd, "layers", extraction={**SMALL["extraction"], "aux_layer_ids": [1, 15, 27]})) == Counter(
-        {
-            "extract_hidden_states": 2,
-            "train_drafter": 1,
-            "evaluate_drafter": 1,
-            "summarize_run": 1,
-            "plot_run": 1,
-            "write_manifest": 1,
-            "all": 1,
-        }
+        {"extract_hidden_states": 2, **from_training}
     )
     # prompts: the prompt set and all that derives from it; the target and eval prompts stay
     assert dry_run_jobs(wd, _changed(wd, "prompts", prompts={**SMALL["prompts"], "max_prompts": 11})) == Counter(

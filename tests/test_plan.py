@@ -1,11 +1,10 @@
 """Run planning: work, time and disk per stage, from reference figures or this run's measurements."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from e2e_support import snakemake_cli
 from transformers import LlamaConfig
 
 from eagle3_pipeline.config import validate_config
@@ -131,23 +130,12 @@ def test_malformed_measurements_are_left_out_not_fatal(tmp_path):
 
 def test_snakemake_plan_writes_the_plan_without_running_anything(tmp_path):
     wd = tmp_path / "wd"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "plan",
-            "--cores",
-            "1",
-            "--configfile",
-            str(ROOT / "config/config.yaml"),
-            "-d",
-            str(wd),
-            "-s",
-            str(ROOT / "Snakefile"),
-        ],
-        capture_output=True,
-        text=True,
+    r = snakemake_cli(
+        wd,
+        ROOT / "config/config.yaml",
+        "--cores",
+        "1",
+        targets=("plan",),
         cwd=ROOT,
     )
     assert r.returncode == 0, r.stderr + r.stdout

@@ -12,11 +12,11 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from e2e_support import snakemake_cli
 from matplotlib.colors import to_rgb
 from matplotlib.image import imread
 
@@ -327,24 +327,7 @@ def test_report_renders_every_figure_in_a_headless_browser(e2e_run, tmp_path):
     browser = _browser()
     wd, cfg, res = e2e_run
     report = wd / "report.html"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "--report",
-            str(report),
-            "-s",
-            str(ROOT / "Snakefile"),
-            "-d",
-            str(wd),
-            "--configfile",
-            str(cfg),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    r = snakemake_cli(wd, cfg, "--report", str(report), timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     text = report.read_text()
     # self-contained: scripts, styles and figures are inside the file, nothing is fetched

@@ -12,14 +12,13 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import yaml
-from e2e_support import make_workdir
+from e2e_support import make_workdir, snakemake_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 START = ROOT / "tests" / "slurm" / "start-local-slurm.sh"
@@ -115,26 +114,15 @@ def slurm_run(slurm_cluster, tmp_path_factory):
     cfg = make_workdir(wd)
     profile = filled_profile(wd / "profile")
     locks = wd / "host-locks"  # a full-model job with the host lock on would create it
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "--profile",
-            str(wd / "profile"),
-            "--slurm-init-seconds-before-status-checks",
-            "1",  # first status check after 1 s, not 40 (the plugin adds 10 s per check while nothing finishes)
-            "-s",
-            str(ROOT / "Snakefile"),
-            "-d",
-            str(wd),
-            "--configfile",
-            str(cfg),
-        ],
+    r = snakemake_cli(
+        wd,
+        cfg,
+        "--profile",
+        str(wd / "profile"),
+        "--slurm-init-seconds-before-status-checks",
+        "1",  # first status check after 1 s, not 40 (the plugin adds 10 s per check while nothing finishes)
         cwd=wd,
         env={**os.environ, "EAGLE3_LOCK_DIR": str(locks)},
-        capture_output=True,
-        text=True,
         timeout=900,
     )
     assert r.returncode == 0, r.stderr[-6000:]
