@@ -28,6 +28,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from .io import atomic_path, iter_jsonl, read_json
+from .vocab import coverage_curve
 
 #: The figures ``make_plots`` writes, by output name (the rule's named outputs).
 FIGURES = (
@@ -160,16 +161,6 @@ def rejects_figure(summary: Mapping) -> Figure:
 
 
 # --- draft vocabulary coverage -----------------------------------------------------------------
-
-
-def coverage_curve(counts: np.ndarray) -> np.ndarray:
-    """Coverage of the best draft vocabulary of each size: ``float64 [V]``, entry ``N-1`` the
-    supervised-token mass of the ``N`` most frequent target ids over the total (the curve behind
-    ``coverage.json``'s ladder; all zeros when there are no supervised tokens)."""
-    total = int(counts.sum())
-    if total == 0:
-        return np.zeros(counts.shape[0])
-    return np.cumsum(np.sort(counts)[::-1]) / total
 
 
 def coverage_figure(counts: np.ndarray, coverage: Mapping) -> Figure:

@@ -126,19 +126,27 @@ def choose_mapping(counts: np.ndarray, draft_vocab_size: int, init_from: str | P
     return d2t, t2d, f"kept from {init_from}"
 
 
-def coverage_ladder(counts: np.ndarray, sizes: Iterable[int]) -> dict[int, float]:
-    """Fraction of supervised-token mass inside the best draft vocab of each size.
+def coverage_curve(counts: np.ndarray) -> np.ndarray:
+    """Coverage of the best draft vocab of each size: ``float64 [V]``, entry ``N-1`` the
+    supervised-token mass of the ``N`` most frequent target ids over the total (all zeros
+    when there are no supervised tokens).
 
     The best vocab of size ``N`` is the top-``N`` ids by count, so its coverage is the
     sum of the ``N`` largest counts over the total.
     """
     total = int(counts.sum())
-    desc = np.sort(counts)[::-1]
-    cum = np.cumsum(desc)
+    if total == 0:
+        return np.zeros(counts.shape[0])
+    return np.cumsum(np.sort(counts)[::-1]) / total
+
+
+def coverage_ladder(counts: np.ndarray, sizes: Iterable[int]) -> dict[int, float]:
+    """:func:`coverage_curve` at each of ``sizes`` (sizes above ``V`` give the full coverage)."""
+    curve = coverage_curve(counts)
     out = {}
     for n in sorted(set(int(s) for s in sizes)):
-        n_eff = min(n, len(desc))
-        out[n] = float(cum[n_eff - 1] / total) if total and n_eff > 0 else 0.0
+        n_eff = min(n, len(curve))
+        out[n] = float(curve[n_eff - 1]) if n_eff > 0 else 0.0
     return out
 
 
