@@ -235,6 +235,7 @@ SAFETENSORS_DTYPES = {
     torch.float32: "F32",
     FP8: "F8_E4M3",
 }
+_TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
 class ShardWriter:
@@ -265,7 +266,7 @@ class ShardWriter:
         self._start = data_start
         hs = header["hidden_states"]
         self.num_tokens, self.num_layers, self.hidden_size = hs["shape"]
-        self.stored_dtype = next(d for d, n in SAFETENSORS_DTYPES.items() if n == hs["dtype"])
+        self.stored_dtype = _TORCH_DTYPES[hs["dtype"]]
 
     @staticmethod
     def layout(
@@ -353,18 +354,8 @@ class ShardWriter:
         Raises:
             ValueError: ``path`` is not a hidden-state shard (names the file).
         """
-        fd = os.open(path, os.O_RDWR)
-        try:
-            n = int.from_bytes(os.pread(fd, 8, 0), "little")
-            prefix = os.pread(fd, 8 + n, 0)
-            header = json.loads(prefix[8:])
-            meta = json.loads(header.get("__metadata__", {}).get(META_KEY, "{}"))
-            if meta.get("format") != FORMAT or "hidden_states" not in header:
-                raise ValueError(f"{path}: not an eagle3-pipeline {FORMAT} hidden-state shard")
-        except BaseException:
-            os.close(fd)
-            raise
-        return cls(path, fd, header, len(prefix), prefix)
+        prefix, header = read_shard_header(path)
+        return cls(path, os.open(path, os.O_RDWR), header, len(prefix), prefix)
 
     def write_states(self, row: int, states: torch.Tensor) -> int:
         """Store one sample's (or consecutive samples') states at token row ``row``.
@@ -413,6 +404,25 @@ class ShardWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def read_shard_header(path: str | os.PathLike) -> tuple[bytes, dict]:
+    """``(prefix, header)`` of a shard file: its first bytes (8-byte length + JSON header) and the parsed header.
+
+    Raises:
+        ValueError: ``path`` is not a hidden-state shard (names the file).
+    """
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        prefix = f.read(n)
+    try:
+        header = json.loads(prefix)
+        meta = json.loads(header.get("__metadata__", {}).get(META_KEY, "{}"))
+    except ValueError:
+        header, meta = {}, {}
+    if meta.get("format") != FORMAT or "hidden_states" not in header:
+        raise ValueError(f"{path}: not an eagle3-pipeline {FORMAT} hidden-state shard")
+    return n.to_bytes(8, "little") + prefix, header
 
 
 def _pwrite_all(fd: int, data, offset: int) -> None:
@@ -484,8 +494,9 @@ def shard_index(
 
     Hidden size and dtype are read from the file's header.
     """
-    with ShardWriter.open(path) as w:
-        hidden_size, dtype = w.hidden_size, w.stored_dtype
+    hs = read_shard_header(path)[1]["hidden_states"]
+    hidden_size = hs["shape"][-1]
+    dtype = _TORCH_DTYPES[hs["dtype"]]
     lengths = [len(s.input_ids) for s in samples]
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64).tolist()
     index = {
