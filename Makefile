@@ -57,7 +57,7 @@ wheelhouse:
 	python3 -m pip wheel -q --no-deps -w $(WHEELHOUSE) -r envs/gpu-host-sdist.txt
 	cp envs/gpu-host.txt envs/gpu-host-sdist.txt envs/cpu-nodeps.txt $(WHEELHOUSE)/
 	@echo "$$(ls $(WHEELHOUSE)/*.whl | wc -l) wheels, $$(du -sh $(WHEELHOUSE) | cut -f1) in $(WHEELHOUSE)/; on the host:"
-	@echo "  python3 -m venv --system-site-packages .venv && .venv/bin/pip install --no-index --no-deps $(WHEELHOUSE)/*.whl"
+	@echo "  bash envs/gpu-host-setup.sh $(WHEELHOUSE)"
 
 $(QWEN3_TOKENIZER):
 	mkdir -p resources/tokenizers/qwen3 && tmp=$$(mktemp -d) && \

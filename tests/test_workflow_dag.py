@@ -164,3 +164,25 @@ def test_two_gpu_example_gives_each_job_the_gpus_it_uses(tmp_path):
     assert len(jobs("generate_traces")) == len(jobs("extract_hidden_states")) == 4
     assert all("gpu=2" in b and "full_model=1" in b for b in jobs("generate_traces") + jobs("extract_hidden_states"))
     assert "gpu=1" in jobs("evaluate_drafter")[0] and "gpu=2" in jobs("train_drafter")[0]
+
+
+def test_one_gpu_example_runs_every_stage_on_the_one_gpu(tmp_path):
+    """config/examples/smollm2-h200.yaml (the measured H200 run): one job per stage, each on 1 GPU."""
+    r = snakemake(
+        "-n",
+        "--cores",
+        "16",
+        "--configfile",
+        "config/examples/smollm2-h200.yaml",
+        "-d",
+        str(tmp_path / "wd"),
+        "-s",
+        str(ROOT / "Snakefile"),
+    )
+    assert r.returncode == 0, r.stderr + r.stdout
+    blocks = re.split(r"^\[.*\d{4}\]$", r.stdout, flags=re.M)
+    for rule in ("generate_traces", "extract_hidden_states", "evaluate_drafter"):
+        (job,) = [b for b in blocks if f"rule {rule}:" in b]
+        assert "gpu=1" in job and "full_model=1" in job, job
+    (train,) = [b for b in blocks if "rule train_drafter:" in b]
+    assert "gpu=1" in train and "full_model" not in train, train
