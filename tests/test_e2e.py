@@ -175,6 +175,7 @@ def test_verify_target_passes_on_the_finished_run(run):
     assert r.returncode == 0, r.stderr[-2000:]
     log = (wd / "logs" / "e2e" / "verify.log").read_text()
     assert "all 4 shards match their manifests" in log and "every file in results/e2e/manifest.json matches" in log
+    assert "verify ok: every file in results/e2e/manifest.json matches" in r.stderr  # on the console too
 
 
 def sha256(path) -> str:
