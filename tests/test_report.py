@@ -239,7 +239,7 @@ def test_throughput_and_estimate_vs_actual_from_the_summary():
     assert heights[:2] == [100.0, 50.0] and heights[2] == 120.0 and np.isnan(heights[3])
     assert "1.20x" in [t.get_text() for t in ax.texts]
     none = estimate_figure({**SUMMARY, "estimate_vs_actual": []}).axes[0]
-    assert "every stage was already done" in none.texts[0].get_text()
+    assert "no start plan had a pending stage" in none.texts[0].get_text()
 
 
 def test_make_plots_writes_every_figure_as_a_png_with_content(tmp_path):

@@ -348,16 +348,17 @@ def throughput_figure(summary: Mapping) -> Figure:
 
 def estimate_figure(summary: Mapping) -> Figure:
     """The plan's estimated seconds against each stage's wall time (``summary.json``'s
-    ``estimate_vs_actual``: the stages that were pending when the run started), grouped bars,
-    each actual bar labelled with actual / estimate."""
+    ``estimate_vs_actual``: per stage, the latest start plan in which it was pending, so the
+    stages of every start and resume of the run), grouped bars, each actual bar labelled with
+    actual / estimate."""
     rows = [r for r in summary.get("estimate_vs_actual") or [] if r.get("estimated_seconds") is not None]
     fig = Figure(figsize=(8, 3.6), layout="constrained")
     ax = fig.subplots()
     if not rows:
-        _note(ax, "no estimate to compare: every stage was already done when this run started (or no plan.json)")
+        _note(ax, "no estimate to compare: no start plan had a pending stage (results/<run>/plans/)")
         return fig
     x = np.arange(len(rows))
-    ax.bar(x - 0.2, [r["estimated_seconds"] for r in rows], width=0.4, color="C7", label="estimated (plan.json)")
+    ax.bar(x - 0.2, [r["estimated_seconds"] for r in rows], width=0.4, color="C7", label="estimated (start plan)")
     actual = [r["actual_seconds"] if r["actual_seconds"] is not None else np.nan for r in rows]
     bars = ax.bar(x + 0.2, actual, width=0.4, color="C0", label="actual (wall time)")
     ax.bar_label(
