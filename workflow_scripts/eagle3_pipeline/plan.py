@@ -149,7 +149,8 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
         cfg: the validated config.
         target: ``{"params", "num_hidden_layers", "hidden_size"}`` of the target (from its
             config; ``params`` may be estimated by :func:`estimate_params`).
-        run_dir: ``results/<run>`` (measured throughputs and existing outputs are read there).
+        run_dir: ``results/<run>`` (measured throughputs and this run's token counts are read
+            there; which stages are pending, :func:`plan_run` decides from Snakemake's jobs).
         platform: ``"cpu"`` or ``"cuda"``: which reference figures apply.
 
     Raises:
