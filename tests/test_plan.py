@@ -141,7 +141,7 @@ rule all:
     input: expand("b/{s}.txt", s=["0", "1"])
 rule a:
     output: "a/{s}.txt"
-    params: n=config.get("n", 1)
+    params: n=config.get("n", 1), sources=config["sources"]
     shell: "echo {params.n} > {output}"
 rule b:
     input: "a/{s}.txt"
@@ -157,22 +157,28 @@ def test_dry_run_jobs_follow_snakemakes_dag_and_its_public_list_of_updated_files
 
     sf = tmp_path / "Snakefile"
     sf.write_text(TINY_SNAKEFILE)
-    done = subprocess.run([sys.executable, "-m", "snakemake", "-c1", "-s", str(sf), "-d", str(tmp_path)], capture_output=True, text=True)
+    cfg = {"sources": [{"type": "builtin_sharegpt"}]}  # a list of mappings, like prompts.sources
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "snakemake", "-c1", "-s", str(sf), "-d", str(tmp_path), "--configfile", str(tmp_path / "c.yaml")]
+    done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert dry_run_jobs(sf, tmp_path, {}) == []  # outputs exist, nothing changed
+    assert dry_run_jobs(sf, tmp_path, cfg) == []  # outputs exist, nothing changed
     # a changed parameter reruns every job although every file exists (the old plan said "done")
-    jobs = dry_run_jobs(sf, tmp_path, {"n": 2})
+    jobs = dry_run_jobs(sf, tmp_path, {**cfg, "n": 2})
     assert sorted((j["rule"], j["wildcards"].get("s"), j["output"]) for j in jobs) == [
         ("a", "0", ["a/0.txt"]), ("a", "1", ["a/1.txt"]), ("all", None, []), ("b", "0", ["b/0.txt"]), ("b", "1", ["b/1.txt"])
     ]  # fmt: skip
     (tmp_path / "b/1.txt").unlink()
-    assert sorted((j["rule"], j["wildcards"].get("s")) for j in dry_run_jobs(sf, tmp_path, {})) == [("all", None), ("b", "1")]
+    assert sorted((j["rule"], j["wildcards"].get("s")) for j in dry_run_jobs(sf, tmp_path, cfg)) == [("all", None), ("b", "1")]
     # needrun_jobs reads Snakemake internals: it must list the jobs of the files Snakemake's public API
     # says it would update (DAGApi.execute_workflow(updated_files=...)); a change of the internals fails here
     public: list[str] = []
     with SnakemakeApi(OutputSettings(quiet={Quietness.ALL})) as api:
         wf = api.workflow(
-            resource_settings=ResourceSettings(cores=1), config_settings=ConfigSettings(config={"n": 3}), snakefile=sf, workdir=tmp_path
+            resource_settings=ResourceSettings(cores=1),
+            config_settings=ConfigSettings(config={**cfg, "n": 3}),
+            snakefile=sf,
+            workdir=tmp_path,
         )
         wf.dag(DAGSettings()).execute_workflow(
             executor="local", pseudo_executor="dryrun", execution_settings=ExecutionSettings(lock=False), updated_files=public

@@ -415,8 +415,11 @@ def dry_run_jobs(snakefile: str | Path, workdir: str | Path, config: dict, targe
     A dry-run through ``snakemake.api`` (no lock taken, nothing printed): the DAG is built
     from the same Snakefile, working directory and config, so changed parameters, code or
     inputs trigger reruns exactly as in ``snakemake -n``. ``config`` (a complete, validated
-    config) is handed over as a ``--configfile`` (a temporary JSON file), which replaces the
-    Snakefile's ``configfile:`` as the user's own ``--configfile`` did.
+    config) is handed over as a ``--configfile`` (a temporary YAML file), which replaces the
+    Snakefile's ``configfile:`` as the user's own ``--configfile`` did. Not JSON: Snakemake
+    reads a JSON config file into ``OrderedDict``s, whose repr differs from the plain dicts a
+    YAML file gives, and a list of mappings in a rule's params (``prompts.sources``) would then
+    count as changed.
     ``targets``: None for the default target. Takes about as long as ``snakemake -n``.
 
     Reads the DAG through ``WorkflowApi._workflow`` (snakemake 9.27.1; internal, like
@@ -426,13 +429,14 @@ def dry_run_jobs(snakefile: str | Path, workdir: str | Path, config: dict, targe
         snakemake.exceptions.WorkflowError and the like: the workflow does not parse or the
             DAG cannot be built (what ``snakemake -n`` would report).
     """
+    import yaml
     from snakemake.api import SnakemakeApi
     from snakemake.settings.enums import Quietness
     from snakemake.settings.types import ConfigSettings, DAGSettings, ExecutionSettings, OutputSettings, ResourceSettings
 
     with tempfile.TemporaryDirectory() as tmp, SnakemakeApi(OutputSettings(quiet={Quietness.ALL})) as api:
-        configfile = Path(tmp) / "config.json"
-        configfile.write_text(json.dumps(config))
+        configfile = Path(tmp) / "config.yaml"
+        configfile.write_text(yaml.safe_dump(config, sort_keys=False))
         wf = api.workflow(
             resource_settings=ResourceSettings(cores=1),
             config_settings=ConfigSettings(configfiles=[configfile]),
