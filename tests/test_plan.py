@@ -21,6 +21,7 @@ from eagle3_pipeline.plan import (
     estimate_params,
     estimate_vs_actual,
     format_plan,
+    in_dependency_order,
     make_plan,
     needrun_jobs,
     plan_dict,
@@ -185,6 +186,32 @@ def test_dry_run_jobs_follow_snakemakes_dag_and_its_public_list_of_updated_files
         )
         internal = needrun_jobs(wf._workflow)
     assert sorted(f for j in internal for f in j["output"]) == sorted(public) == ["a/0.txt", "a/1.txt", "b/0.txt", "b/1.txt"]
+
+
+def test_jobs_are_listed_in_dependency_order_whatever_order_snakemake_gives():
+    def job(rule, inputs, outputs, shard=None):
+        return {"rule": rule, "wildcards": {"shard": shard} if shard else {}, "input": inputs, "output": outputs}
+
+    jobs = [
+        job("all", ["r/summary.json"], []),
+        job("train_drafter", ["r/vocab/d2t.npy", "r/hs/1.st"], ["r/drafter"]),
+        job("extract_hidden_states", ["r/tr/1.jsonl", "m"], ["r/hs/1.st"], "00001"),
+        job("summarize_run", ["r/drafter/config.json"], ["r/summary.json"]),  # a file inside an output directory
+        job("extract_hidden_states", ["r/tr/0.jsonl", "m"], ["r/hs/0.st"], "00000"),
+        job("build_vocab_mapping", ["r/tr/0.jsonl"], ["r/vocab/d2t.npy"]),
+        job("prepare_target_model", [], ["m"]),
+    ]
+    order = [(j["rule"], j["wildcards"].get("shard")) for j in in_dependency_order(jobs)]
+    assert order == [
+        ("build_vocab_mapping", None),  # its inputs exist: first level, with the target
+        ("prepare_target_model", None),
+        ("extract_hidden_states", "00000"),
+        ("extract_hidden_states", "00001"),
+        ("train_drafter", None),
+        ("summarize_run", None),
+        ("all", None),
+    ]
+    assert in_dependency_order(jobs[::-1]) == in_dependency_order(jobs)
 
 
 def test_parameter_count_of_a_llama_3_1_8b_config():

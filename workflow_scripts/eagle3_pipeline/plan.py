@@ -403,10 +403,41 @@ def needrun_jobs(workflow) -> list[dict]:
     Raises:
         AttributeError: the workflow has no DAG yet, or Snakemake's internals changed.
     """
-    return [
-        {"rule": j.rule.name, "wildcards": {k: str(v) for k, v in j.wildcards_dict.items()}, "output": [str(f) for f in j.output]}
+    jobs = [
+        {
+            "rule": j.rule.name,
+            "wildcards": {k: str(v) for k, v in j.wildcards_dict.items()},
+            "output": [str(f) for f in j.output],
+            "input": [str(f) for f in j.input],
+        }
         for j in workflow.dag.needrun_jobs(exclude_finished=False)
     ]
+    return [{k: j[k] for k in ("rule", "wildcards", "output")} for j in in_dependency_order(jobs)]
+
+
+def in_dependency_order(jobs: list[dict]) -> list[dict]:
+    """``jobs`` (with ``"input"`` and ``"output"`` paths) sorted so that a job comes after every
+    job whose output it reads (a file, or one inside an output directory); jobs of one level by
+    rule and wildcards. Snakemake's own order is a set's, different at every call."""
+    producer = {o: i for i, j in enumerate(jobs) for o in j["output"]}
+
+    def made_by(path: str) -> int | None:
+        p = Path(path)
+        for q in (p, *p.parents):
+            if str(q) in producer:
+                return producer[str(q)]
+        return None
+
+    deps = [{d for f in j["input"] if (d := made_by(f)) is not None and d != i} for i, j in enumerate(jobs)]
+    level: dict[int, int] = {}
+
+    def depth(i: int, seen: frozenset = frozenset()) -> int:
+        if i not in level:
+            level[i] = 1 + max((depth(d, seen | {i}) for d in deps[i] if d not in seen), default=-1)
+        return level[i]
+
+    key = [(depth(i), j["rule"], sorted(j["wildcards"].items())) for i, j in enumerate(jobs)]
+    return [jobs[i] for i in sorted(range(len(jobs)), key=key.__getitem__)]
 
 
 def dry_run_jobs(snakefile: str | Path, workdir: str | Path, config: dict, targets: list[str] | None = None) -> list[dict]:
