@@ -278,24 +278,34 @@ def get_lineage_outputs(wildcards):
 
 
 def print_plan():
-    """Before a run: print the plan of its pending stages and keep it as results/<run>/plan.json."""
+    """Before a run (onstart): the plan of the jobs Snakemake's DAG will run, printed and kept as
+    results/<run>/plans/start-<UTC time>.json, when any planned stage has a pending job (so not
+    for `snakemake plan` itself, whose rule prints its own preview)."""
     from eagle3_pipeline.io import write_json_atomic
-    from eagle3_pipeline.plan import format_plan, plan_dict, plan_run
+    from eagle3_pipeline.plan import (
+        format_plan,
+        needrun_jobs,
+        plan_dict,
+        plan_run,
+        start_plan_path,
+    )
 
     try:
+        jobs = needrun_jobs(workflow)
         target = None if is_builtin_target() else get_target_dir()
-        stages, platform = plan_run(config, target, f"results/{RUN}")
+        stages, platform = plan_run(config, target, f"results/{RUN}", jobs)
     except Exception as e:  # a plan is advice: never stop a run over it
         print(f"(no plan: {type(e).__name__}: {e})", file=sys.stderr)
         return
     if all(s.done for s in stages):
         return
+    path = start_plan_path(f"results/{RUN}")
     try:
-        write_json_atomic(f"results/{RUN}/plan.json", plan_dict(stages, platform))
+        write_json_atomic(path, plan_dict(stages, platform, jobs, kind="start"))
     except OSError as e:
         print(f"(plan not kept: {e})", file=sys.stderr)
     print(
-        f"plan for run {RUN!r} on {platform} (estimates; `snakemake plan` writes results/{RUN}/plan.json):\n"
-        + format_plan(stages),
+        f"plan for run {RUN!r} on {platform} (estimates; kept as {path}):\n"
+        + format_plan(stages, jobs),
         file=sys.stderr,
     )

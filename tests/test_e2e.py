@@ -175,6 +175,7 @@ def test_verify_target_passes_on_the_finished_run(run):
     assert r.returncode == 0, r.stderr[-2000:]
     log = (wd / "logs" / "e2e" / "verify.log").read_text()
     assert "all 4 shards match their manifests" in log and "every file in results/e2e/manifest.json matches" in log
+    assert "verify ok: every file in results/e2e/manifest.json matches" in r.stderr  # on the console too
 
 
 def sha256(path) -> str:
@@ -187,8 +188,8 @@ def test_run_manifest_hashes_every_artifact(run):
     _, _, res = run
     m = json.loads((res / "manifest.json").read_text())
     validate_manifest(m)
-    # every file the run's jobs wrote (not plan.json, written before the jobs, nor the manifest itself)
-    rels = (p.relative_to(res) for p in res.rglob("*") if p.is_file())
+    # every file the run's jobs wrote (not the plans, written before the jobs, nor the manifest itself)
+    rels = (p.relative_to(res) for p in res.rglob("*") if p.is_file() and p.parent.name != "plans")
     files = {r.as_posix() for r in rels if not any(part.startswith(".") for part in r.parts)}  # not .pids/, .checkpoint/
     listed = {k for k in m["artifacts"] if k != "drafter"} | {f"drafter/{f}" for f in m["artifacts"]["drafter"]["files"]}
     assert files - {"manifest.json", "plan.json"} == listed

@@ -250,7 +250,15 @@ def test_verify_names_what_changed_after_the_run(synthetic):
     (root / "results/r/traces/shard-00000.summary.json").write_text(
         json.dumps({"ok": 1, "traces_sha256": sha("results/r/traces/shard-00000.jsonl")})
     )
-    assert verify_run(*shards, "results/r/manifest.json") == {"checked": 2, "manifest": "checked", "problems": []}
+    m = json.loads((root / "results/r/manifest.json").read_text())
+    assert verify_run(*shards, "results/r/manifest.json") == {
+        "checked": 2,
+        "traces": 1,
+        "hidden_states": 1,
+        "manifest": "checked",
+        "manifest_entries": len(m["artifacts"]) + len(m["external"]),
+        "problems": [],
+    }
     assert verify_run(*shards, "results/r/absent.json")["manifest"] == "absent"
     # a drafter replaced after the run, a file added to it, the target edited, a prompt source edited
     w = root / "results/r/drafter/model.safetensors"

@@ -1,9 +1,13 @@
 """Run planning: work, time and disk per stage, from reference figures or this run's measurements."""
 
 import json
+import subprocess
+import sys
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+import yaml
 from e2e_support import snakemake_cli
 from transformers import LlamaConfig
 
@@ -13,10 +17,17 @@ from eagle3_pipeline.plan import (
     COMPLETION_FILL,
     PROMPT_TOKENS,
     REFERENCE,
+    dry_run_jobs,
     estimate_params,
     estimate_vs_actual,
+    format_plan,
+    in_dependency_order,
     make_plan,
+    needrun_jobs,
+    plan_dict,
     plan_run,
+    start_plan_path,
+    start_plans,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +48,8 @@ def test_fresh_run_is_planned_from_the_reference_figures(tmp_path):
         ref["generate_traces"]["load_seconds"] + gen.tokens / (ref["generate_traces"]["tokens_per_second"] * scale), abs=0.1
     )
     assert gen.source.startswith("reference (this project's demo run on 2 CPU cores")
+    # the embedded target on CPU is the reference itself: no "x 1", no parallelism caveat
+    assert all(p.source == f"reference ({ref['source']})" for p in plan.values())
     ext = plan["extract_hidden_states"]
     assert ext.tokens == int(300 * (PROMPT_TOKENS + COMPLETION_FILL * 256))
     # tokens x 4 captured layers ([2, 15, 27] + 30) x hidden 576 x 2 bytes (bf16)
@@ -52,20 +65,153 @@ def test_fp8_storage_halves_the_planned_disk_plus_scales(tmp_path):
     assert ext.disk_bytes == ext.tokens * (4 * 576 * 1 + 4 * 4)
 
 
+def _job(rule, shard=None):
+    return {"rule": rule, "wildcards": {} if shard is None else {"shard": shard}, "output": []}
+
+
+#: What Snakemake runs after a finished run whose draft vocabulary size changed.
+VOCAB_CHANGED = [_job(r) for r in ("build_vocab_mapping", "train_drafter", "evaluate_drafter", "summarize_run", "all")]
+
+
 def test_measured_throughput_and_token_counts_of_this_run_win(tmp_path):
     (tmp_path / "traces").mkdir()
     (tmp_path / "traces/shard-00000.summary.json").write_text(
         json.dumps({"ok": 100, "prompt_tokens": 20_000, "completion_tokens": 30_000, "generate_seconds": 60.0, "model_load_seconds": 12.0})
     )
     cfg = validate_config({"prompts": {"max_prompts": 100}})
-    stages, platform = plan_run(cfg, None, tmp_path, platform="cpu")
+    jobs = [_job("extract_hidden_states", "00000"), _job("train_drafter"), _job("evaluate_drafter")]
+    stages, platform = plan_run(cfg, None, tmp_path, jobs, platform="cpu")
     plan = _by_stage(stages)
     gen = plan["generate_traces"]
     assert gen.done and gen.tokens_per_second == 500.0 and gen.load_seconds == 12.0
     assert gen.source.startswith("measured: 1 file(s)") and "traces/shard-00000.summary.json" in gen.source
     ext = plan["extract_hidden_states"]
     assert not ext.done and ext.tokens == 100 * (200 + 300)  # per-sample means from the traces
-    assert ext.source.startswith("reference")
+    assert ext.source.startswith("reference") and ext.pending == [{"shard": "00000"}]
+
+
+def test_done_and_pending_come_from_snakemakes_jobs_not_from_files(tmp_path):
+    """Every output exists (a finished run), but Snakemake reruns the vocabulary and what follows."""
+    cfg = validate_config({"prompts": {"max_prompts": 12, "num_shards": 2}})
+    for f in ("traces/shard-00000.summary.json", "traces/shard-00001.summary.json", "hidden_states/shard-00000.index.json",
+              "hidden_states/shard-00001.index.json", "train/summary.json", "eval/acceptance.json"):  # fmt: skip
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f).write_text("{}")
+    stages, _ = plan_run(cfg, None, tmp_path, VOCAB_CHANGED, platform="cpu")
+    done = {p.stage: p.done for p in stages}
+    assert done == {"generate_traces": True, "extract_hidden_states": True, "train_drafter": False, "evaluate_drafter": False}
+    table = format_plan(stages, VOCAB_CHANGED)
+    assert table.splitlines()[-1] == (
+        "Snakemake will run 5 job(s): build_vocab_mapping x1, train_drafter x1, evaluate_drafter x1, summarize_run x1, all x1"
+    )
+    assert plan_dict(stages, "cpu", VOCAB_CHANGED)["jobs"] == {
+        "build_vocab_mapping": 1, "train_drafter": 1, "evaluate_drafter": 1, "summarize_run": 1, "all": 1
+    }  # fmt: skip
+    # no jobs at all: every stage is done, whatever files are missing
+    assert all(p.done for p in plan_run(cfg, None, tmp_path / "empty", [], platform="cpu")[0])
+
+
+def test_a_resumed_stage_is_estimated_for_its_pending_jobs_only(tmp_path):
+    cfg = validate_config({"prompts": {"max_prompts": 400, "num_shards": 4}})
+    full = _by_stage(plan_run(cfg, None, tmp_path, [_job("generate_traces", f"{i:05d}") for i in range(4)], platform="cpu")[0])
+    one = _by_stage(plan_run(cfg, None, tmp_path, [_job("generate_traces", "00003")], platform="cpu")[0])
+    g1, g4 = one["generate_traces"], full["generate_traces"]
+    assert g1.pending == [{"shard": "00003"}] and g1.jobs == 4
+    assert g1.seconds == pytest.approx(g4.seconds / 4, abs=0.1) and g1.tokens == g4.tokens // 4
+    assert "1/4" in format_plan([g1]).splitlines()[1]
+
+
+def test_vllm_extraction_on_cpu_has_its_own_reference_and_the_caveat_only_where_it_applies(tmp_path):
+    ref = REFERENCE["cpu"]["extract_hidden_states_vllm"]
+    vllm = validate_config({"prompts": {"max_prompts": 10}, "extraction": {"backend": "vllm"}})
+    ext = _by_stage(make_plan(vllm, BUILTIN_SHAPE, tmp_path, "cpu"))["extract_hidden_states"]
+    assert (ext.load_seconds, ext.tokens_per_second) == (18.0, 2449.0)
+    assert ext.source == f"reference ({ref['source']})"
+    hf = validate_config({"prompts": {"max_prompts": 10}})
+    assert _by_stage(make_plan(hf, BUILTIN_SHAPE, tmp_path, "cpu"))["extract_hidden_states"].load_seconds == 3.0
+    # tensor parallel on CPU, and any GPU plan, carry the caveat; a smaller target its scale
+    tp = validate_config({"prompts": {"max_prompts": 10}, "vllm": {"tensor_parallel_size": 2}})
+    assert all(p.source.endswith("; rough: tensor/pipeline parallel not modelled") for p in make_plan(tp, BUILTIN_SHAPE, tmp_path, "cpu"))
+    gpu = _by_stage(make_plan(hf, BUILTIN_SHAPE, tmp_path, "cuda"))  # hf backend on a GPU: its own figure
+    assert gpu["extract_hidden_states"].load_seconds == REFERENCE["cuda"]["extract_hidden_states_hf"]["load_seconds"]
+    assert gpu["generate_traces"].source.endswith(" x 7.73; rough: tensor/pipeline parallel not modelled")
+
+
+TINY_SNAKEFILE = """
+rule all:
+    input: expand("b/{s}.txt", s=["0", "1"])
+rule a:
+    output: "a/{s}.txt"
+    params: n=config.get("n", 1), sources=config["sources"]
+    shell: "echo {params.n} > {output}"
+rule b:
+    input: "a/{s}.txt"
+    output: "b/{s}.txt"
+    shell: "cat {input} > {output}"
+"""
+
+
+def test_dry_run_jobs_follow_snakemakes_dag_and_its_public_list_of_updated_files(tmp_path):
+    from snakemake.api import SnakemakeApi
+    from snakemake.settings.enums import Quietness
+    from snakemake.settings.types import ConfigSettings, DAGSettings, ExecutionSettings, OutputSettings, ResourceSettings
+
+    sf = tmp_path / "Snakefile"
+    sf.write_text(TINY_SNAKEFILE)
+    cfg = {"sources": [{"type": "builtin_sharegpt"}]}  # a list of mappings, like prompts.sources
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "snakemake", "-c1", "-s", str(sf), "-d", str(tmp_path), "--configfile", str(tmp_path / "c.yaml")]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert dry_run_jobs(sf, tmp_path, cfg) == []  # outputs exist, nothing changed
+    # a changed parameter reruns every job although every file exists (the old plan said "done")
+    jobs = dry_run_jobs(sf, tmp_path, {**cfg, "n": 2})
+    assert sorted((j["rule"], j["wildcards"].get("s"), j["output"]) for j in jobs) == [
+        ("a", "0", ["a/0.txt"]), ("a", "1", ["a/1.txt"]), ("all", None, []), ("b", "0", ["b/0.txt"]), ("b", "1", ["b/1.txt"])
+    ]  # fmt: skip
+    (tmp_path / "b/1.txt").unlink()
+    assert sorted((j["rule"], j["wildcards"].get("s")) for j in dry_run_jobs(sf, tmp_path, cfg)) == [("all", None), ("b", "1")]
+    # needrun_jobs reads Snakemake internals: it must list the jobs of the files Snakemake's public API
+    # says it would update (DAGApi.execute_workflow(updated_files=...)); a change of the internals fails here
+    public: list[str] = []
+    with SnakemakeApi(OutputSettings(quiet={Quietness.ALL})) as api:
+        wf = api.workflow(
+            resource_settings=ResourceSettings(cores=1),
+            config_settings=ConfigSettings(config={**cfg, "n": 3}),
+            snakefile=sf,
+            workdir=tmp_path,
+        )
+        wf.dag(DAGSettings()).execute_workflow(
+            executor="local", pseudo_executor="dryrun", execution_settings=ExecutionSettings(lock=False), updated_files=public
+        )
+        internal = needrun_jobs(wf._workflow)
+    assert sorted(f for j in internal for f in j["output"]) == sorted(public) == ["a/0.txt", "a/1.txt", "b/0.txt", "b/1.txt"]
+
+
+def test_jobs_are_listed_in_dependency_order_whatever_order_snakemake_gives():
+    def job(rule, inputs, outputs, shard=None):
+        return {"rule": rule, "wildcards": {"shard": shard} if shard else {}, "input": inputs, "output": outputs}
+
+    jobs = [
+        job("all", ["r/summary.json"], []),
+        job("train_drafter", ["r/vocab/d2t.npy", "r/hs/1.st"], ["r/drafter"]),
+        job("extract_hidden_states", ["r/tr/1.jsonl", "m"], ["r/hs/1.st"], "00001"),
+        job("summarize_run", ["r/drafter/config.json"], ["r/summary.json"]),  # a file inside an output directory
+        job("extract_hidden_states", ["r/tr/0.jsonl", "m"], ["r/hs/0.st"], "00000"),
+        job("build_vocab_mapping", ["r/tr/0.jsonl"], ["r/vocab/d2t.npy"]),
+        job("prepare_target_model", [], ["m"]),
+    ]
+    order = [(j["rule"], j["wildcards"].get("shard")) for j in in_dependency_order(jobs)]
+    assert order == [
+        ("build_vocab_mapping", None),  # its inputs exist: first level, with the target
+        ("prepare_target_model", None),
+        ("extract_hidden_states", "00000"),
+        ("extract_hidden_states", "00001"),
+        ("train_drafter", None),
+        ("summarize_run", None),
+        ("all", None),
+    ]
+    assert in_dependency_order(jobs[::-1]) == in_dependency_order(jobs)
 
 
 def test_parameter_count_of_a_llama_3_1_8b_config():
@@ -81,41 +227,56 @@ def test_parameter_count_of_a_llama_3_1_8b_config():
     assert estimate_params(cfg) == 8_030_261_248  # what the instantiated model counted on the H200
 
 
-def test_estimate_vs_actual_covers_the_stages_that_were_pending(tmp_path):
-    (tmp_path / "hidden_states").mkdir()
-    (tmp_path / "hidden_states/shard-00000.index.json").write_text(json.dumps({"model_load_seconds": 3.0, "extract_seconds": 57.0}))
-    (tmp_path / "train").mkdir()
-    (tmp_path / "train/summary.json").write_text(json.dumps({"seconds": 5.0}))
-    bench = tmp_path / "bench"
-    bench.mkdir()
-    (bench / "train_drafter.tsv").write_text("s\th:m:s\tmax_rss\n12.5\t0:00:12\t100\n")
-    plan = {
-        "platform": "cpu",
-        "stages": [
-            {"stage": "generate_traces", "seconds": 100.0, "done": True, "source": "x"},
-            {"stage": "extract_hidden_states", "seconds": 40.0, "done": False, "source": "reference"},
-            {"stage": "train_drafter", "seconds": 10.0, "done": False, "source": "reference"},
-            {"stage": "evaluate_drafter", "seconds": "x", "done": False},  # malformed: skipped
-        ],
-    }
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
-    rows = estimate_vs_actual(tmp_path / "plan.json", tmp_path, bench)
+def _bench(path: Path, seconds: float) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"s\th:m:s\tmax_rss\n{seconds}\t0:00:00\t100\n")
+
+
+def test_estimate_vs_actual_keeps_the_stages_finished_before_a_resume(tmp_path):
+    """A run started (plan 1), finished generation and one extraction shard, was killed and resumed
+    (plan 2: the other extraction shard, training, evaluation). Each stage keeps its estimate from
+    the latest plan it was pending in, against the wall time of the jobs that plan ran."""
+    res, bench = tmp_path / "results", tmp_path / "bench"
+    for shard, secs in (("00000", 50.0), ("00001", 70.0)):
+        _bench(bench / f"generate_traces/shard-{shard}.tsv", secs)
+        _bench(bench / f"extract_hidden_states/shard-{shard}.tsv", secs / 10)
+    _bench(bench / "train_drafter.tsv", 12.5)
+    (res / "eval").mkdir(parents=True)  # no benchmark file: load + work seconds from the output
+    (res / "eval/acceptance.json").write_text(json.dumps({"model_load_seconds": 3.0, "seconds": 57.0}))
+
+    def stage(name, seconds, pending):
+        return {"stage": name, "seconds": seconds, "done": not pending, "pending": pending, "source": f"ref {seconds}"}
+
+    both = [{"shard": "00000"}, {"shard": "00001"}]
+    first = {"stages": [stage("generate_traces", 100.0, both), stage("extract_hidden_states", 20.0, both),
+                        stage("train_drafter", 10.0, [{}]), stage("evaluate_drafter", 30.0, [{}])]}  # fmt: skip
+    resumed = {"stages": [stage("generate_traces", 100.0, []), stage("extract_hidden_states", 8.0, [{"shard": "00001"}]),
+                          stage("train_drafter", 11.0, [{}]), stage("evaluate_drafter", 40.0, [{}])]}  # fmt: skip
+    t0 = datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
+    p1, p2 = start_plan_path(res, t0), start_plan_path(res, t0 + timedelta(minutes=5))
+    assert p1.name == "start-20250102T030405.000000Z.json" and p1.parent == res / "plans"
+    for p, plan in ((p1, first), (p2, resumed)):
+        p.parent.mkdir(exist_ok=True)
+        p.write_text(json.dumps(plan))
+    (res / "plans/start-bad.json").write_text('{"stages": [{"stage": "train_drafter", "done": false}]}')  # no seconds: skipped
+    assert start_plans(res)[:2] == [p1, p2]
+    rows = estimate_vs_actual(start_plans(res), res, bench)
     assert rows == [
-        # no benchmark file: load + work seconds from the index
-        {
-            "stage": "extract_hidden_states",
-            "estimated_seconds": 40.0,
-            "actual_seconds": 60.0,
-            "actual_over_estimate": 1.5,
-            "source": "reference",
-        },
-        # the job's wall time from its benchmark file, not the summary's 5 s
-        {"stage": "train_drafter", "estimated_seconds": 10.0, "actual_seconds": 12.5, "actual_over_estimate": 1.25, "source": "reference"},
-    ]
-    assert estimate_vs_actual(tmp_path / "missing.json", tmp_path) == []
-    for bad in ('{"platform": "cpu"}', '{"stages": null}', '"x"', "[]", '{"stages": [{}]}'):
-        (tmp_path / "plan.json").write_text(bad)
-        assert estimate_vs_actual(tmp_path / "plan.json", tmp_path) == []
+        # finished before the resume: still there, from the first plan, both shards' wall time
+        {"stage": "generate_traces", "estimated_seconds": 100.0, "actual_seconds": 120.0, "actual_over_estimate": 1.2,
+         "source": "ref 100.0", "plan": p1.name},
+        # resumed: the second plan's estimate for shard 00001 against shard 00001's 7 s
+        {"stage": "extract_hidden_states", "estimated_seconds": 8.0, "actual_seconds": 7.0, "actual_over_estimate": 0.875,
+         "source": "ref 8.0", "plan": p2.name},
+        {"stage": "train_drafter", "estimated_seconds": 11.0, "actual_seconds": 12.5, "actual_over_estimate": 1.136,
+         "source": "ref 11.0", "plan": p2.name},
+        {"stage": "evaluate_drafter", "estimated_seconds": 40.0, "actual_seconds": 60.0, "actual_over_estimate": 1.5,
+         "source": "ref 40.0", "plan": p2.name},
+    ]  # fmt: skip
+    assert estimate_vs_actual([], res, bench) == []
+    for bad in ('{"platform": "cpu"}', '{"stages": null}', '"x"', "[]", '{"stages": [{}]}', "not json"):
+        (res / "bad.json").write_text(bad)
+        assert estimate_vs_actual([res / "bad.json", res / "missing.json"], res, bench) == []
 
 
 def test_malformed_measurements_are_left_out_not_fatal(tmp_path):
@@ -140,9 +301,51 @@ def test_snakemake_plan_writes_the_plan_without_running_anything(tmp_path):
     )
     assert r.returncode == 0, r.stderr + r.stdout
     plan = json.loads((wd / "results/default/plan.json").read_text())
+    assert plan["kind"] == "preview"
     assert [s["stage"] for s in plan["stages"]] == ["generate_traces", "extract_hidden_states", "train_drafter", "evaluate_drafter"]
+    assert not any(s["done"] for s in plan["stages"])
     assert plan["total_seconds"] == pytest.approx(sum(s["seconds"] for s in plan["stages"]))
+    # a fresh directory: Snakemake's dry-run of the default target, every job of it
+    assert plan["jobs"] == {
+        "prepare_target_model": 1, "prepare_prompts": 1, "prepare_eval_prompts": 1, "generate_traces": 1, "build_vocab_mapping": 1,
+        "extract_hidden_states": 1, "train_drafter": 1, "evaluate_drafter": 1, "summarize_run": 1, "plot_run": 1,
+        "write_manifest": 1, "all": 1,
+    }  # fmt: skip
     log = (wd / "logs/default/plan.log").read_text()
     assert "extract_hidden_states" in log and "total (pending stages)" in log
     assert not (wd / "results/default/traces").exists()
-    assert "total (pending stages)" in r.stderr  # printed on the terminal too
+    assert not (wd / "results/default/plans").exists()  # a preview is not a run's start plan
+    assert r.stderr.count("total (pending stages)") == 1  # printed on the terminal, once
+
+
+@pytest.mark.e2e
+def test_plan_after_a_finished_run_foresees_what_a_changed_parameter_reruns(e2e_run):
+    from e2e_support import SMALL
+
+    wd, _cfg, res = e2e_run
+    # the run kept the plan it started with (onstart, from Snakemake's DAG), and its summary compares it
+    starts = start_plans(res)
+    assert len(starts) == 1
+    start = json.loads(starts[0].read_text())
+    assert start["kind"] == "start" and not any(s["done"] for s in start["stages"])
+    assert start["jobs"]["generate_traces"] == 2 and start["jobs"]["build_vocab_mapping"] == 1
+    summary = json.loads((res / "summary.json").read_text())
+    assert [(r["stage"], r["plan"]) for r in summary["estimate_vs_actual"]] == [
+        (s, starts[0].name) for s in ("generate_traces", "extract_hidden_states", "train_drafter", "evaluate_drafter")
+    ]
+    assert all(r["actual_seconds"] > 0 for r in summary["estimate_vs_actual"])
+    # every output exists, but a new draft vocabulary size reruns the vocabulary and all after it
+    changed = wd / "plan-vocab.yaml"
+    changed.write_text(yaml.safe_dump({**SMALL, "vocab": {"draft_vocab_size": 1024}}))
+    r = snakemake_cli(wd, changed, "--cores", "1", targets=("plan",), cwd=ROOT)
+    assert r.returncode == 0, r.stderr + r.stdout
+    plan = json.loads((res / "plan.json").read_text())
+    assert {s["stage"]: s["done"] for s in plan["stages"]} == {
+        "generate_traces": True, "extract_hidden_states": True, "train_drafter": False, "evaluate_drafter": False
+    }  # fmt: skip
+    assert plan["jobs"] == {
+        "build_vocab_mapping": 1, "train_drafter": 1, "evaluate_drafter": 1, "summarize_run": 1, "plot_run": 1, "write_manifest": 1, "all": 1
+    }  # fmt: skip
+    assert r.stderr.count("total (pending stages)") == 1
+    assert "build_vocab_mapping x1" in r.stderr
+    assert start_plans(res) == starts  # `snakemake plan` keeps no start plan

@@ -132,25 +132,25 @@ def test_generation_outcomes_and_reasoning_capture_rate():
 
 
 def test_rejects_by_stage_and_reason_largest_first():
+    # prompts beyond max_prompts are not rejects: no bar, apart in the title
     assert reject_counts(SUMMARY) == {
-        "prompts: over_max_prompts": 15,
         "prompts: duplicate": 3,
         "generation: errored": 1,
         "generation: prompt_too_long": 1,
     }
     ax = rejects_figure(SUMMARY).axes[0]
     # horizontal bars bottom-up: the largest on top
-    assert [t.get_text() for t in ax.get_yticklabels()] == [
-        "generation: prompt_too_long",
-        "generation: errored",
-        "prompts: duplicate",
-        "prompts: over_max_prompts",
-    ]
-    assert [p.get_width() for p in ax.patches] == [1, 1, 3, 15]
-    assert "19" in ax.get_title()
-    empty = {**SUMMARY, "prompts": {**SUMMARY["prompts"], "rejects_by_reason": {}}, "generation": {**SUMMARY["generation"], "errored": 0}}
-    empty["generation"]["rejects_by_reason"] = {}
-    assert "no record was rejected" in rejects_figure(empty).axes[0].texts[0].get_text()
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["generation: prompt_too_long", "generation: errored", "prompts: duplicate"]
+    assert [p.get_width() for p in ax.patches] == [1, 1, 3]
+    assert ax.get_title() == ("rejected or errored records: 5 (3 prompts, 2 in generation); 15 prompts beyond max_prompts, not used")
+    # the demo: 15,320 beyond max_prompts and nothing else is no reject at all
+    demo = {**SUMMARY, "prompts": {**SUMMARY["prompts"], "rejects_by_reason": {"over_max_prompts": 15_320}}}
+    demo["generation"] = {**SUMMARY["generation"], "errored": 0, "rejects_by_reason": {}}
+    ax = rejects_figure(demo).axes[0]
+    assert ax.get_title() == "rejected or errored records: 0 (0 prompts, 0 in generation); 15,320 prompts beyond max_prompts, not used"
+    assert "no record was rejected" in ax.texts[0].get_text() and not ax.patches
+    empty = {**demo, "prompts": {**SUMMARY["prompts"], "rejects_by_reason": {}}}
+    assert rejects_figure(empty).axes[0].get_title() == "rejected or errored records: 0 (0 prompts, 0 in generation)"
 
 
 def _metrics(tmp_path) -> Path:
@@ -239,7 +239,7 @@ def test_throughput_and_estimate_vs_actual_from_the_summary():
     assert heights[:2] == [100.0, 50.0] and heights[2] == 120.0 and np.isnan(heights[3])
     assert "1.20x" in [t.get_text() for t in ax.texts]
     none = estimate_figure({**SUMMARY, "estimate_vs_actual": []}).axes[0]
-    assert "every stage was already done" in none.texts[0].get_text()
+    assert "no start plan had a pending stage" in none.texts[0].get_text()
 
 
 def test_make_plots_writes_every_figure_as_a_png_with_content(tmp_path):

@@ -1,30 +1,62 @@
 """The verify target names missing, truncated and altered shards."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
+from e2e_support import snakemake_cli
 
 from eagle3_pipeline.conventions import loss_mask
 from eagle3_pipeline.hidden_states import Sample, write_shard
 from eagle3_pipeline.io import sha256_file
-from eagle3_pipeline.verify import verify_run
+from eagle3_pipeline.verify import summary_lines, verify_run
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def make_run(tmp_path):
+def make_run(tmp_path, hidden_dir=None):
+    hidden_dir = hidden_dir or tmp_path
     traces = tmp_path / "shard-00000.jsonl"
     traces.write_text('{"id": "a"}\n{"id": "b"}\n')
     (tmp_path / "shard-00000.summary.json").write_text(json.dumps({"ok": 2, "traces_sha256": sha256_file(traces)}))
     samples = [Sample("a", np.arange(6), loss_mask(3, 3)), Sample("b", np.arange(4), loss_mask(2, 2))]
     states = [torch.randn(6, 2, 8, dtype=torch.bfloat16), torch.randn(4, 2, 8, dtype=torch.bfloat16)]
-    hs = tmp_path / "shard-00000.safetensors"
-    write_shard(hs, samples, states, layer_ids=[2, 30], aux_layer_ids=[2], index_path=tmp_path / "shard-00000.index.json")
+    hs = hidden_dir / "shard-00000.safetensors"
+    write_shard(hs, samples, states, layer_ids=[2, 30], aux_layer_ids=[2], index_path=hidden_dir / "shard-00000.index.json")
     return traces, hs
 
 
 def test_intact_run_verifies(tmp_path):
     traces, hs = make_run(tmp_path)
-    assert verify_run([str(traces)], [str(hs)]) == {"checked": 2, "manifest": None, "problems": []}
+    res = verify_run([str(traces)], [str(hs)])
+    assert res == {"checked": 2, "traces": 1, "hidden_states": 1, "manifest": None, "manifest_entries": 0, "problems": []}
+    assert summary_lines(res) == [
+        "verify ok: all 2 shards match their manifests: 1 trace and 1 hidden-state shards (record and token counts, SHA-256)"
+    ]
+    absent = verify_run([str(traces)], [str(hs)], str(tmp_path / "manifest.json"))
+    assert summary_lines(absent, "m.json")[1] == "verify: no run manifest m.json yet (written at the end of a run); shards only"
+
+
+def test_snakemake_verify_prints_its_summary_on_the_console(tmp_path):
+    """Before, the script sent everything to logs/<run>/verify.log: a passing verify printed nothing."""
+    wd = tmp_path / "wd"
+    res = wd / "results/v"
+    (res / "traces").mkdir(parents=True)
+    (res / "hidden_states").mkdir()
+    make_run(res / "traces", res / "hidden_states")
+    cfg = tmp_path / "v.yaml"
+    cfg.write_text(yaml.safe_dump({"run": "v", "prompts": {"num_shards": 1}}))
+    r = snakemake_cli(wd, cfg, "--cores", "1", targets=("verify",), cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ok = "verify ok: all 2 shards match their manifests: 1 trace and 1 hidden-state shards (record and token counts, SHA-256)"
+    assert ok in r.stderr and ok in (wd / "logs/v/verify.log").read_text()
+    assert "no run manifest results/v/manifest.json yet" in r.stderr
+    (res / "traces/shard-00000.jsonl").write_text('{"id": "a"}\n')
+    r = snakemake_cli(wd, cfg, "--cores", "1", targets=("verify",), cwd=ROOT)
+    assert r.returncode != 0
+    assert "verify FAILED: 2 problem(s) in 1 trace and 1 hidden-state shards" in r.stderr
 
 
 def test_truncated_hidden_state_shard_is_named(tmp_path):

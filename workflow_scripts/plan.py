@@ -1,17 +1,22 @@
-"""Rule plan: write results/<run>/plan.json and print the plan (work, time, disk per stage)."""
+"""Rule plan: dry-run the default target with this config and write the plan of the jobs it would
+run to results/<run>/plan.json (a preview), printed on the terminal and in the log."""
 
 import logging
 import sys
+from pathlib import Path
 
 from eagle3_pipeline.io import write_json_atomic
-from eagle3_pipeline.plan import format_plan, plan_dict, plan_run
+from eagle3_pipeline.plan import dry_run_jobs, format_plan, plan_dict, plan_run
 from eagle3_pipeline.runtime import start_log
 
 if __name__ == "__main__":
     sm = snakemake  # noqa: F821 (injected by Snakemake)
-    stages, platform = plan_run(sm.config, sm.params.target_dir, sm.params.run_dir)
-    table = format_plan(stages)
+    # the jobs `snakemake -n` would run (changed parameters and code included), before start_log
+    # redirects stderr: a workflow that cannot be dry-run fails here with Snakemake's message
+    jobs = dry_run_jobs(sm.params.snakefile, Path.cwd(), dict(sm.config))
+    stages, platform = plan_run(sm.config, sm.params.target_dir, sm.params.run_dir, jobs)
+    table = format_plan(stages, jobs)
     print(f"plan for run {sm.config['run']!r} on {platform}:\n{table}", file=sys.stderr, flush=True)  # the terminal
     start_log(sm.log[0])
-    write_json_atomic(sm.params.plan_json, plan_dict(stages, platform))
+    write_json_atomic(sm.params.plan_json, plan_dict(stages, platform, jobs, kind="preview"))
     logging.getLogger("plan").info("plan for run %r on %s:\n%s", sm.config["run"], platform, table)

@@ -13,16 +13,23 @@ come, in this order of preference, from
 Every estimate names its source. Token counts use this run's traces when they exist,
 otherwise the configured prompt count and ``max_tokens`` with the completion fill measured
 on the demo run (:data:`COMPLETION_FILL`).
+
+Which jobs are pending comes from Snakemake's own DAG, never from which files exist, so a
+rerun forced by changed parameters or code, by ``-R`` or by ``--forcerun`` is planned as
+Snakemake will run it: :func:`needrun_jobs` reads the DAG a run has built (the ``onstart``
+hook), :func:`dry_run_jobs` builds it with a dry-run (``snakemake plan``).
 """
 
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 #: Each stage's output under ``results/<run>/`` that records its work: (file pattern, tokens key,
-#: seconds key, model load seconds key). A stage whose files all exist is done.
+#: seconds key, model load seconds key). The stage's rule has the same name.
 STAGES = {
     "generate_traces": ("traces/shard-{shard}.summary.json", "completion_tokens", "generate_seconds", "model_load_seconds"),
     "extract_hidden_states": ("hidden_states/shard-{shard}.index.json", "num_tokens", "extract_seconds", "model_load_seconds"),
@@ -30,7 +37,9 @@ STAGES = {
     "evaluate_drafter": ("eval/acceptance.json", "output_tokens", "seconds", "model_load_seconds"),
 }
 
-#: Reference throughputs (tokens/s, load s) per platform and stage, with where they were measured.
+#: Reference throughputs (tokens/s, load s) per platform and stage, with where they were measured
+#: (a figure's own ``source`` overrides its platform's). ``extract_hidden_states_<backend>`` is the
+#: extraction figure for the backend that is not the platform's usual one.
 REFERENCE = {
     "cpu": {
         "source": "this project's demo run on 2 CPU cores (SmolLM2-135M)",
@@ -38,6 +47,13 @@ REFERENCE = {
         "hidden_size": 576,
         "generate_traces": {"tokens_per_second": 409.0, "load_seconds": 31.0},
         "extract_hidden_states": {"tokens_per_second": 1300.0, "load_seconds": 3.0},
+        # the vllm backend starts a vLLM engine (16-20 s on CPU), the hf backend loads in ~3 s
+        "extract_hidden_states_vllm": {
+            "tokens_per_second": 2449.0,
+            "load_seconds": 18.0,
+            "source": "extraction.backend vllm on 2 CPU cores (SmolLM2-135M), the demo's 296 traces, 110,721 tokens: "
+            "2,449 tok/s, engine start 16-20 s",
+        },
         "train_drafter": {"tokens_per_second": 668.0, "load_seconds": 5.0},
         "evaluate_drafter": {"tokens_per_second": 197.0, "load_seconds": 31.0},
     },
@@ -60,7 +76,14 @@ PROMPT_TOKENS = 172
 
 @dataclass
 class StageEstimate:
-    """One stage of the plan. Seconds are wall-clock estimates; bytes are what it writes."""
+    """One stage of the plan. Seconds are wall-clock estimates; bytes are what it writes.
+
+    ``jobs`` is the stage's job count in the run (one per shard for generation and
+    extraction); ``pending`` the wildcards of the jobs Snakemake will run (``{"shard":
+    "00001"}``, ``{}`` for a job without wildcards). ``tokens``, ``seconds`` and
+    ``disk_bytes`` cover the pending jobs, or every job of a stage that is ``done`` (what
+    rerunning it would take).
+    """
 
     stage: str
     jobs: int
@@ -72,6 +95,7 @@ class StageEstimate:
     source: str
     done: bool = False
     work: dict = field(default_factory=dict)
+    pending: list = field(default_factory=list)
 
 
 def _read(path: Path) -> dict | None:
@@ -125,7 +149,8 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
         cfg: the validated config.
         target: ``{"params", "num_hidden_layers", "hidden_size"}`` of the target (from its
             config; ``params`` may be estimated by :func:`estimate_params`).
-        run_dir: ``results/<run>`` (measured throughputs and existing outputs are read there).
+        run_dir: ``results/<run>`` (measured throughputs and this run's token counts are read
+            there; which stages are pending, :func:`plan_run` decides from Snakemake's jobs).
         platform: ``"cpu"`` or ``"cuda"``: which reference figures apply.
 
     Raises:
@@ -167,6 +192,9 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
         "extract_hidden_states": cfg["extraction"].get("data_parallel_size") or cfg["vllm"]["data_parallel_size"],
     }
     shards = cfg["prompts"]["num_shards"]
+    engine_gpus = cfg["vllm"]["tensor_parallel_size"] * cfg["vllm"]["pipeline_parallel_size"]
+    backend = cfg["extraction"]["backend"]
+    ext_key = f"extract_hidden_states_{backend}" if f"extract_hidden_states_{backend}" in ref else None
 
     def rate(stage: str, ref_key: str | None = None, s: float = scale) -> tuple[float, float, str]:
         if stage in got:
@@ -174,11 +202,15 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
             return m["tokens_per_second"], m["load_seconds"], m["source"]
         r = ref[ref_key or stage]
         d_ = replicas.get(stage, 1)
-        note = f" x {d_} replicas" if d_ > 1 else ""
+        note = "" if round(s, 3) == 1 else f" x {s:.3g}"
+        note += f" x {d_} replicas" if d_ > 1 else ""
+        # the caveat where it applies: a GPU host, or parallelism the reference did not have
+        if platform != "cpu" or engine_gpus > 1 or d_ > 1:
+            note += "; rough: tensor/pipeline parallel not modelled"
         return (
             r["tokens_per_second"] * s * d_,
             r["load_seconds"] * (load_scale if stage != "train_drafter" else 1.0),
-            f"reference ({ref['source']}) x {s:.3g}{note}; rough: tensor/pipeline parallel not modelled",
+            f"reference ({r.get('source', ref['source'])}){note}",
         )
 
     _aux, layers = resolve_layer_ids(cfg["extraction"]["aux_layer_ids"], target["num_hidden_layers"])
@@ -197,7 +229,7 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
             "extract_hidden_states",
             shards,
             ext_tokens,
-            None if cfg["extraction"]["backend"] == "vllm" or platform == "cpu" else "extract_hidden_states_hf",
+            ext_key,
             scale,
             ext_tokens * per_token,
             {"samples": n_ok, "layers": layers, "bytes_per_token": per_token, "storage_dtype": dtype},
@@ -252,45 +284,78 @@ def estimate_params(text_config) -> int:
     return L * (2 * h * heads * head_dim + 2 * h * kv + 3 * h * i + 2 * h) + v * h * (1 if tied else 2) + h
 
 
-def format_plan(plan: list[StageEstimate]) -> str:
-    """The plan as a fixed-width text table (hours, minutes, GB), one line per stage, and a total."""
+def format_plan(plan: list[StageEstimate], jobs: list[dict] | None = None) -> str:
+    """The plan as a fixed-width text table (hours, minutes, GB), one line per stage, a total,
+    and, given ``jobs`` (:func:`needrun_jobs`), a line with every job Snakemake will run by rule.
+    A stage's ``jobs`` column reads ``pending/all`` when only some of its jobs are pending."""
 
     def hm(s: float) -> str:
         return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m" if s >= 3600 else f"{s / 60:.1f} min"
 
-    lines = [f"{'stage':24} {'jobs':>4} {'tokens':>12} {'tok/s':>9} {'load s':>7} {'time':>9} {'disk':>9}  source"]
+    lines = [f"{'stage':24} {'jobs':>5} {'tokens':>12} {'tok/s':>9} {'load s':>7} {'time':>9} {'disk':>9}  source"]
     for p in plan:
+        n = f"{len(p.pending)}/{p.jobs}" if p.pending and len(p.pending) < p.jobs else str(p.jobs)
         lines.append(
-            f"{p.stage:24} {p.jobs:>4} {p.tokens:>12,} {p.tokens_per_second:>9,.0f} {p.load_seconds:>7.0f} {hm(p.seconds):>9} "
+            f"{p.stage:24} {n:>5} {p.tokens:>12,} {p.tokens_per_second:>9,.0f} {p.load_seconds:>7.0f} {hm(p.seconds):>9} "
             f"{p.disk_bytes / 1e9:>7.2f}GB  {'done; ' if p.done else ''}{p.source}"
         )
     todo = [p for p in plan if not p.done]
     lines.append(
-        f"{'total (pending stages)':24} {'':>4} {'':>12} {'':>9} {'':>7} {hm(sum(p.seconds for p in todo)):>9} {sum(p.disk_bytes for p in todo) / 1e9:>7.2f}GB"
+        f"{'total (pending stages)':24} {'':>5} {'':>12} {'':>9} {'':>7} {hm(sum(p.seconds for p in todo)):>9} {sum(p.disk_bytes for p in todo) / 1e9:>7.2f}GB"
     )
+    if jobs is not None:
+        counts = jobs_by_rule(jobs)
+        lines.append(f"Snakemake will run {len(jobs)} job(s): " + (", ".join(f"{r} x{n}" for r, n in counts.items()) or "none"))
     return "\n".join(lines)
 
 
-def plan_dict(plan: list[StageEstimate], platform: str) -> dict:
-    """JSON form of a plan (``plan.json``)."""
-    return {"platform": platform, "stages": [asdict(p) for p in plan], "total_seconds": sum(p.seconds for p in plan if not p.done)}
+def plan_dict(plan: list[StageEstimate], platform: str, jobs: list[dict] | None = None, kind: str = "preview") -> dict:
+    """JSON form of a plan: ``kind`` ``"start"`` (kept by a run as it starts, :func:`start_plan_path`)
+    or ``"preview"`` (``snakemake plan``'s ``plan.json``), the UTC time it was made, the stages,
+    the pending jobs by rule and the total estimated seconds of the pending stages."""
+    return {
+        "kind": kind,
+        "made_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+        "platform": platform,
+        "stages": [asdict(p) for p in plan],
+        "jobs": jobs_by_rule(jobs or []),
+        "total_seconds": sum(p.seconds for p in plan if not p.done),
+    }
+
+
+def start_plan_path(run_dir: str | Path, now: datetime | None = None) -> Path:
+    """Where a run keeps the plan it starts with: ``<run_dir>/plans/start-<UTC time>.json``
+    (``YYYYmmddTHHMMSS.ffffffZ``; names sort in time order, and each run start has its own)."""
+    now = now or datetime.now(UTC)
+    return Path(run_dir) / "plans" / f"start-{now.astimezone(UTC):%Y%m%dT%H%M%S.%fZ}.json"
+
+
+def start_plans(run_dir: str | Path) -> list[Path]:
+    """The start plans a run directory keeps (:func:`start_plan_path`), oldest first."""
+    return sorted((Path(run_dir) / "plans").glob("start-*.json"))
 
 
 #: The embedded target's shape (SmolLM2-135M-Instruct), for plans made before it is materialized.
 BUILTIN_SHAPE = {"params": 134_515_008, "num_hidden_layers": 30, "hidden_size": 576}
 
 
-def plan_run(cfg: dict, target_dir: str | Path | None, run_dir: str | Path, platform: str | None = None) -> tuple[list[StageEstimate], str]:
-    """Plan a workflow run: :func:`make_plan` with the target's shape and the platform found here.
+def plan_run(
+    cfg: dict, target_dir: str | Path | None, run_dir: str | Path, jobs: list[dict], platform: str | None = None
+) -> tuple[list[StageEstimate], str]:
+    """Plan a workflow run: :func:`make_plan` with the target's shape and the platform found here,
+    restricted to the jobs Snakemake will run.
 
     Args:
         target_dir: the target model directory, or None for the embedded target not yet
             materialized (its known shape is used).
+        jobs: the jobs Snakemake will run, as :func:`needrun_jobs` or :func:`dry_run_jobs`
+            return them (``{"rule", "wildcards", "output"}``).
         platform: ``"cpu"``/``"cuda"``; None: ``"cuda"`` when this machine sees an NVIDIA GPU
             (:func:`eagle3_pipeline.parallel.visible_gpus`), else ``"cpu"``.
 
     Returns:
-        ``(stages, platform)``; a stage whose outputs all exist is marked ``done``.
+        ``(stages, platform)``; a stage none of whose jobs is in ``jobs`` is marked ``done``,
+        and a stage with some of its jobs pending is estimated for those jobs only.
     """
     from .parallel import visible_gpus
 
@@ -304,11 +369,114 @@ def plan_run(cfg: dict, target_dir: str | Path | None, run_dir: str | Path, plat
     else:
         target = BUILTIN_SHAPE
     stages = make_plan(cfg, target, run_dir, platform)
-    shards = [f"{i:05d}" for i in range(cfg["prompts"]["num_shards"])]
     for st in stages:
-        pattern = STAGES[st.stage][0]
-        st.done = all((Path(run_dir) / pattern.format(shard=s)).exists() for s in shards)
+        st.pending = [j["wildcards"] for j in jobs if j["rule"] == st.stage]
+        st.done = not st.pending
+        if st.pending and len(st.pending) < st.jobs:  # a resumed stage: only its pending jobs
+            frac = len(st.pending) / st.jobs
+            st.tokens, st.disk_bytes, st.seconds = int(st.tokens * frac), int(st.disk_bytes * frac), round(st.seconds * frac, 1)
     return stages, platform
+
+
+def jobs_by_rule(jobs: list[dict]) -> dict[str, int]:
+    """How many of ``jobs`` (:func:`needrun_jobs`) each rule has, in the order they first appear."""
+    out: dict[str, int] = {}
+    for j in jobs:
+        out[j["rule"]] = out.get(j["rule"], 0) + 1
+    return out
+
+
+def needrun_jobs(workflow) -> list[dict]:
+    """The jobs Snakemake will run, from the DAG a Snakemake ``Workflow`` has built.
+
+    Returns ``[{"rule": name, "wildcards": {name: value}, "output": [paths]}]``, in the DAG's
+    order (no particular order of execution).
+
+    Snakemake internals (snakemake 9.27.1; no public API returns the jobs): ``Workflow.dag``,
+    which ``Workflow.execute`` builds and post-processes before it calls the ``onstart`` hook
+    (and keeps after a dry-run), ``DAG.needrun_jobs(exclude_finished=False)`` (a dry-run marks
+    its jobs finished), ``Job.rule.name``, ``Job.wildcards_dict`` and ``Job.output``. The
+    public ``DAGApi.execute_workflow(updated_files=...)`` lists the same jobs' output files;
+    ``tests/test_plan.py`` checks this function against it, so a change of these internals
+    fails there.
+
+    Raises:
+        AttributeError: the workflow has no DAG yet, or Snakemake's internals changed.
+    """
+    jobs = [
+        {
+            "rule": j.rule.name,
+            "wildcards": {k: str(v) for k, v in j.wildcards_dict.items()},
+            "output": [str(f) for f in j.output],
+            "input": [str(f) for f in j.input],
+        }
+        for j in workflow.dag.needrun_jobs(exclude_finished=False)
+    ]
+    return [{k: j[k] for k in ("rule", "wildcards", "output")} for j in in_dependency_order(jobs)]
+
+
+def in_dependency_order(jobs: list[dict]) -> list[dict]:
+    """``jobs`` (with ``"input"`` and ``"output"`` paths) sorted so that a job comes after every
+    job whose output it reads (a file, or one inside an output directory); jobs of one level by
+    rule and wildcards. Snakemake's own order is a set's, different at every call."""
+    producer = {o: i for i, j in enumerate(jobs) for o in j["output"]}
+
+    def made_by(path: str) -> int | None:
+        p = Path(path)
+        for q in (p, *p.parents):
+            if str(q) in producer:
+                return producer[str(q)]
+        return None
+
+    deps = [{d for f in j["input"] if (d := made_by(f)) is not None and d != i} for i, j in enumerate(jobs)]
+    level: dict[int, int] = {}
+
+    def depth(i: int, seen: frozenset = frozenset()) -> int:
+        if i not in level:
+            level[i] = 1 + max((depth(d, seen | {i}) for d in deps[i] if d not in seen), default=-1)
+        return level[i]
+
+    key = [(depth(i), j["rule"], sorted(j["wildcards"].items())) for i, j in enumerate(jobs)]
+    return [jobs[i] for i in sorted(range(len(jobs)), key=key.__getitem__)]
+
+
+def dry_run_jobs(snakefile: str | Path, workdir: str | Path, config: dict, targets: list[str] | None = None) -> list[dict]:
+    """The jobs ``snakemake -n`` would run with ``config``, as :func:`needrun_jobs` returns them.
+
+    A dry-run through ``snakemake.api`` (no lock taken, nothing printed): the DAG is built
+    from the same Snakefile, working directory and config, so changed parameters, code or
+    inputs trigger reruns exactly as in ``snakemake -n``. ``config`` (a complete, validated
+    config) is handed over as a ``--configfile`` (a temporary YAML file), which replaces the
+    Snakefile's ``configfile:`` as the user's own ``--configfile`` did. Not JSON: Snakemake
+    reads a JSON config file into ``OrderedDict``s, whose repr differs from the plain dicts a
+    YAML file gives, and a list of mappings in a rule's params (``prompts.sources``) would then
+    count as changed.
+    ``targets``: None for the default target. Takes about as long as ``snakemake -n``.
+
+    Reads the DAG through ``WorkflowApi._workflow`` (snakemake 9.27.1; internal, like
+    :func:`needrun_jobs`, and checked by the same test).
+
+    Raises:
+        snakemake.exceptions.WorkflowError and the like: the workflow does not parse or the
+            DAG cannot be built (what ``snakemake -n`` would report).
+    """
+    import yaml
+    from snakemake.api import SnakemakeApi
+    from snakemake.settings.enums import Quietness
+    from snakemake.settings.types import ConfigSettings, DAGSettings, ExecutionSettings, OutputSettings, ResourceSettings
+
+    with tempfile.TemporaryDirectory() as tmp, SnakemakeApi(OutputSettings(quiet={Quietness.ALL})) as api:
+        configfile = Path(tmp) / "config.yaml"
+        configfile.write_text(yaml.safe_dump(config, sort_keys=False))
+        wf = api.workflow(
+            resource_settings=ResourceSettings(cores=1),
+            config_settings=ConfigSettings(configfiles=[configfile]),
+            snakefile=Path(snakefile).absolute(),
+            workdir=Path(workdir).absolute(),
+        )
+        dag = wf.dag(DAGSettings(targets=set(targets or ())))
+        dag.execute_workflow(executor="local", pseudo_executor="dryrun", execution_settings=ExecutionSettings(lock=False))
+        return needrun_jobs(wf._workflow)
 
 
 def _bench_seconds(path: Path) -> float | None:
@@ -320,61 +488,83 @@ def _bench_seconds(path: Path) -> float | None:
         return None
 
 
-def actual_seconds(run_dir: str | Path, bench_dir: str | Path | None = None) -> dict[str, float]:
-    """Wall seconds each stage took, summed over its jobs.
+#: Each stage's Snakemake benchmark file under ``benchmarks/<run>/`` (the rules' ``benchmark:``).
+BENCHMARKS = {
+    "generate_traces": "generate_traces/shard-{shard}.tsv",
+    "extract_hidden_states": "extract_hidden_states/shard-{shard}.tsv",
+    "train_drafter": "train_drafter.tsv",
+    "evaluate_drafter": "evaluate_drafter.tsv",
+}
 
-    From the jobs' Snakemake benchmark files in ``bench_dir`` (``benchmarks/<run>``: the whole
-    job, start-up and teardown included) when they exist, else from the stage outputs
-    (model load + work seconds). Stages with neither are left out.
+
+def job_seconds(run_dir: str | Path, bench_dir: str | Path | None, stage: str, wildcards: dict) -> float | None:
+    """Wall seconds one job of ``stage`` took: from its Snakemake benchmark file in ``bench_dir``
+    (``benchmarks/<run>``: the whole job, start-up and teardown included) when it exists, else
+    from its output under ``run_dir`` (model load + work seconds). None when neither has them.
+
+    Raises:
+        KeyError: ``wildcards`` lacks a wildcard of the stage's file names (``shard``).
     """
-    d = Path(run_dir)
-    out: dict[str, float] = {}
     if bench_dir is not None:
-        b = Path(bench_dir)
-        for stage, files in (
-            ("generate_traces", sorted(b.glob("generate_traces/shard-*.tsv"))),
-            ("extract_hidden_states", sorted(b.glob("extract_hidden_states/shard-*.tsv"))),
-            ("train_drafter", [b / "train_drafter.tsv"]),
-            ("evaluate_drafter", [b / "evaluate_drafter.tsv"]),
-        ):
-            secs = [x for x in map(_bench_seconds, files) if x is not None]
-            if secs:
-                out[stage] = round(sum(secs), 1)
-
-    def total(files: list[Path], keys: tuple[str, ...]) -> float | None:
-        recs = [r for r in map(_read, files) if isinstance(r, dict) and all(isinstance(r.get(k), int | float) for k in keys)]
-        return sum(sum(r[k] for k in keys) for r in recs) if recs else None
-
-    for stage, (pattern, _tok, sec_key, load_key) in STAGES.items():
-        keys = (sec_key,) if load_key is None else (load_key, sec_key)
-        t = None if stage in out else total(_stage_files(d, pattern), keys)
+        t = _bench_seconds(Path(bench_dir) / BENCHMARKS[stage].format(**wildcards))
         if t is not None:
-            out[stage] = round(t, 1)
-    return out
+            return t
+    pattern, _tok, sec_key, load_key = STAGES[stage]
+    r = _read(Path(run_dir) / pattern.format(**wildcards))
+    keys = (sec_key,) if load_key is None else (load_key, sec_key)
+    if isinstance(r, dict) and all(isinstance(r.get(k), int | float) and not isinstance(r.get(k), bool) for k in keys):
+        return float(sum(r[k] for k in keys))
+    return None
 
 
-def estimate_vs_actual(plan_json: str | Path, run_dir: str | Path, bench_dir: str | Path | None = None) -> list[dict]:
-    """Rows ``{stage, estimated_seconds, actual_seconds, actual_over_estimate, source}`` for the
-    stages the plan (``plan.json`` written at the start of the run) had pending; actual seconds
-    are wall time (:func:`actual_seconds`). Empty when there is no readable plan; malformed
-    stage entries are skipped."""
-    plan = _read(Path(plan_json))
-    stages = plan.get("stages") if isinstance(plan, dict) else None
-    if not isinstance(stages, list):
-        return []
-    got = actual_seconds(run_dir, bench_dir)
+def estimate_vs_actual(plans: list[str | Path], run_dir: str | Path, bench_dir: str | Path | None = None) -> list[dict]:
+    """Each stage's estimate against the wall time its jobs took, across a run's resumes.
+
+    Args:
+        plans: the start plans of the run (:func:`start_plans`), oldest first. A stage's
+            estimate comes from the latest plan in which it was pending: a resumed run's plan
+            leaves out the stages finished before the resume, whose estimates stay those of
+            the plan they ran under.
+        run_dir, bench_dir: ``results/<run>`` and ``benchmarks/<run>`` (:func:`job_seconds`).
+
+    Returns:
+        Rows ``{stage, estimated_seconds, actual_seconds, actual_over_estimate, source, plan}``
+        in stage order; ``actual_seconds`` sums the wall time of the jobs that plan had pending
+        (None when none is found), ``plan`` is the plan file's name. Unreadable plans and
+        malformed stage entries are skipped; no plan gives no rows.
+    """
+    latest: dict[str, tuple[dict, str]] = {}
+    for path in plans:
+        plan = _read(Path(path))
+        stages = plan.get("stages") if isinstance(plan, dict) else None
+        for st in stages if isinstance(stages, list) else []:
+            if (
+                isinstance(st, dict)
+                and st.get("stage") in STAGES
+                and st.get("done") is False
+                and isinstance(st.get("seconds"), int | float)
+                and isinstance(st.get("pending"), list)
+            ):
+                latest[st["stage"]] = (st, Path(path).name)
     rows = []
-    for st in stages:
-        if not isinstance(st, dict) or st.get("done") is not False or not isinstance(st.get("seconds"), int | float):
+    for stage in STAGES:
+        if stage not in latest:
             continue
-        act = got.get(st.get("stage"))
+        st, name = latest[stage]
+        try:
+            secs = [job_seconds(run_dir, bench_dir, stage, wc) for wc in st["pending"]]
+        except (KeyError, TypeError, AttributeError, ValueError):  # a malformed job entry
+            continue
+        found = [x for x in secs if x is not None]
+        act = round(sum(found), 1) if found else None
         rows.append(
             {
-                "stage": st["stage"],
+                "stage": stage,
                 "estimated_seconds": st["seconds"],
                 "actual_seconds": act,
                 "actual_over_estimate": round(act / st["seconds"], 3) if act and st["seconds"] else None,
                 "source": st.get("source"),
+                "plan": name,
             }
         )
     return rows

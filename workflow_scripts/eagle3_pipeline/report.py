@@ -5,7 +5,7 @@ Every figure is drawn from files earlier stages already wrote; nothing is recoun
 =========================== ====================================================================
 ``lengths.png``             prompt and completion lengths (tokens) of the generated traces
 ``generation.png``          generation outcomes (records) and the reasoning capture rate
-``rejects.png``             dropped records and errors by stage and reason
+``rejects.png``             rejected records and errors by stage and reason (prompts beyond max_prompts apart)
 ``vocab_coverage.png``      coverage vs draft vocabulary size from ``vocab/token_freq.npy``
 ``training_loss.png``       loss per step, total and per draft position (train and validation)
 ``training_accuracy.png``   per-position accuracy per step (train and validation)
@@ -131,21 +131,42 @@ def generation_figure(summary: Mapping) -> Figure:
     return fig
 
 
+#: The prompts reason for records beyond ``prompts.max_prompts``: prompts not used, not bad records.
+BEYOND_MAX_PROMPTS = "over_max_prompts"
+
+
 def reject_counts(summary: Mapping) -> dict[str, int]:
-    """``{"<stage>: <reason>": records}`` for every dropped or errored record in ``summary.json``,
-    largest first (ties by name). Generation errors count under ``generation: errored``."""
-    out = {f"prompts: {k}": v for k, v in summary["prompts"]["rejects_by_reason"].items()}
+    """``{"<stage>: <reason>": records}`` for every rejected or errored record in ``summary.json``,
+    largest first (ties by name). Generation errors count under ``generation: errored``. Prompts
+    beyond ``prompts.max_prompts`` (``over_max_prompts``) are not rejects and are left out
+    (:func:`beyond_max_prompts`)."""
+    out = {f"prompts: {k}": v for k, v in summary["prompts"]["rejects_by_reason"].items() if k != BEYOND_MAX_PROMPTS}
     out |= {f"generation: {k}": v for k, v in summary["generation"]["rejects_by_reason"].items()}
     if summary["generation"]["errored"]:
         out["generation: errored"] = summary["generation"]["errored"]
     return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
+def beyond_max_prompts(summary: Mapping) -> int:
+    """Records ``prepare_prompts`` left out because ``prompts.max_prompts`` were already kept."""
+    return int(summary["prompts"]["rejects_by_reason"].get(BEYOND_MAX_PROMPTS, 0))
+
+
 def rejects_figure(summary: Mapping) -> Figure:
-    """Dropped and errored records by stage and reason (horizontal bars, records, log scale)."""
+    """Rejected and errored records by stage and reason (horizontal bars, records, log scale).
+
+    The title totals them by stage and, apart, the prompts beyond ``prompts.max_prompts``,
+    which were not used rather than rejected (no bar)."""
     counts = reject_counts(summary)
     fig = Figure(figsize=(7, max(2.4, 0.9 + 0.35 * len(counts))), layout="constrained")
     ax = fig.subplots()
+    beyond = beyond_max_prompts(summary)
+    unused = f"; {beyond:,} prompts beyond max_prompts, not used" if beyond else ""
+    prompts = sum(v for k, v in counts.items() if k.startswith("prompts: "))
+    generation = sum(counts.values()) - prompts
+    ax.set_title(
+        f"rejected or errored records: {prompts + generation:,} ({prompts:,} prompts, {generation:,} in generation){unused}", fontsize=10
+    )
     if not counts:
         _note(ax, "no record was rejected and no generation errored")
         return fig
@@ -154,8 +175,6 @@ def rejects_figure(summary: Mapping) -> Figure:
     ax.bar_label(bars, labels=[f"{counts[n]:,}" for n in names], fontsize=8, padding=2)
     ax.set_xscale("log")
     ax.set_xlabel("records (log scale)")
-    r = summary["rejects"]
-    ax.set_title(f"rejected records: {r['total']:,} ({r['prompts']:,} prompts, {r['generation']:,} in generation)", fontsize=10)
     ax.margins(x=0.15)
     return fig
 
@@ -329,16 +348,17 @@ def throughput_figure(summary: Mapping) -> Figure:
 
 def estimate_figure(summary: Mapping) -> Figure:
     """The plan's estimated seconds against each stage's wall time (``summary.json``'s
-    ``estimate_vs_actual``: the stages that were pending when the run started), grouped bars,
-    each actual bar labelled with actual / estimate."""
+    ``estimate_vs_actual``: per stage, the latest start plan in which it was pending, so the
+    stages of every start and resume of the run), grouped bars, each actual bar labelled with
+    actual / estimate."""
     rows = [r for r in summary.get("estimate_vs_actual") or [] if r.get("estimated_seconds") is not None]
     fig = Figure(figsize=(8, 3.6), layout="constrained")
     ax = fig.subplots()
     if not rows:
-        _note(ax, "no estimate to compare: every stage was already done when this run started (or no plan.json)")
+        _note(ax, "no estimate to compare: no start plan had a pending stage (results/<run>/plans/)")
         return fig
     x = np.arange(len(rows))
-    ax.bar(x - 0.2, [r["estimated_seconds"] for r in rows], width=0.4, color="C7", label="estimated (plan.json)")
+    ax.bar(x - 0.2, [r["estimated_seconds"] for r in rows], width=0.4, color="C7", label="estimated (start plan)")
     actual = [r["actual_seconds"] if r["actual_seconds"] is not None else np.nan for r in rows]
     bars = ax.bar(x + 0.2, actual, width=0.4, color="C0", label="actual (wall time)")
     ax.bar_label(

@@ -69,9 +69,10 @@ def verify_run(trace_shards: list[str], hidden_shards: list[str], manifest: str 
     """Check all shards, and the run manifest if ``manifest`` is given and exists.
 
     Returns:
-        ``{"checked": n shards, "manifest": "checked" | "absent" | None, "problems": [...]}``
-        (empty problems = all good). An absent manifest is not a problem: the run may not
-        have finished.
+        ``{"checked": n shards, "traces": n trace shards, "hidden_states": n hidden-state shards,
+        "manifest": "checked" | "absent" | None, "manifest_entries": entries the manifest lists
+        (artifacts + external; 0 unless checked), "problems": [...]}`` (empty problems = all
+        good). An absent manifest is not a problem: the run may not have finished.
     """
     hasher = Hasher()
     problems: list[str] = []
@@ -79,9 +80,36 @@ def verify_run(trace_shards: list[str], hidden_shards: list[str], manifest: str 
         problems += _check_trace_shard(Path(p), hasher)
     for p in hidden_shards:
         problems += _check_hidden_shard(Path(p), hasher)
-    state = None
+    state, entries = None, 0
     if manifest is not None:
         state = "checked" if Path(manifest).is_file() else "absent"
         if state == "checked":
             problems += check_manifest(manifest, hasher)
-    return {"checked": len(trace_shards) + len(hidden_shards), "manifest": state, "problems": problems}
+            m = json.loads(Path(manifest).read_text())
+            entries = len(m["artifacts"]) + len(m["external"])
+    return {
+        "checked": len(trace_shards) + len(hidden_shards),
+        "traces": len(trace_shards),
+        "hidden_states": len(hidden_shards),
+        "manifest": state,
+        "manifest_entries": entries,
+        "problems": problems,
+    }
+
+
+def summary_lines(res: dict, manifest: str | None = None) -> list[str]:
+    """What :func:`verify_run` checked and found, in a few lines for the console and the log:
+    the shards checked and ``ok`` (or the number of problems), then the run manifest's state."""
+    shards = f"{res['traces']} trace and {res['hidden_states']} hidden-state shards (record and token counts, SHA-256)"
+    if res["problems"]:
+        lines = [
+            f"verify FAILED: {len(res['problems'])} problem(s) in {shards}"
+            + (" and the run manifest" if res["manifest"] == "checked" else "")
+        ]
+        return lines + [f"  {p}" for p in res["problems"]]
+    lines = [f"verify ok: all {res['checked']} shards match their manifests: {shards}"]
+    if res["manifest"] == "checked":
+        lines.append(f"verify ok: every file in {manifest} matches ({res['manifest_entries']} entries re-hashed)")
+    elif res["manifest"] == "absent":
+        lines.append(f"verify: no run manifest {manifest} yet (written at the end of a run); shards only")
+    return lines
