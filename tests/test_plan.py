@@ -16,7 +16,7 @@ from eagle3_pipeline.plan import (
     BUILTIN_SHAPE,
     COMPLETION_FILL,
     PROMPT_TOKENS,
-    REFERENCE,
+    REFERENCES,
     dry_run_jobs,
     estimate_params,
     estimate_vs_actual,
@@ -26,6 +26,7 @@ from eagle3_pipeline.plan import (
     needrun_jobs,
     plan_dict,
     plan_run,
+    reference_for,
     start_plan_path,
     start_plans,
 )
@@ -40,7 +41,7 @@ def _by_stage(plan):
 def test_fresh_run_is_planned_from_the_reference_figures(tmp_path):
     cfg = validate_config({"prompts": {"max_prompts": 300}, "generation": {"max_tokens": 256}})
     plan = _by_stage(make_plan(cfg, BUILTIN_SHAPE, tmp_path, "cpu"))
-    ref = REFERENCE["cpu"]
+    ref = REFERENCES["cpu"][0]
     scale = ref["params"] / BUILTIN_SHAPE["params"]
     gen = plan["generate_traces"]
     assert gen.tokens == int(300 * COMPLETION_FILL * 256)
@@ -122,7 +123,7 @@ def test_a_resumed_stage_is_estimated_for_its_pending_jobs_only(tmp_path):
 
 
 def test_vllm_extraction_on_cpu_has_its_own_reference_and_the_caveat_only_where_it_applies(tmp_path):
-    ref = REFERENCE["cpu"]["extract_hidden_states_vllm"]
+    ref = REFERENCES["cpu"][0]["extract_hidden_states_vllm"]
     vllm = validate_config({"prompts": {"max_prompts": 10}, "extraction": {"backend": "vllm"}})
     ext = _by_stage(make_plan(vllm, BUILTIN_SHAPE, tmp_path, "cpu"))["extract_hidden_states"]
     assert (ext.load_seconds, ext.tokens_per_second) == (18.0, 2449.0)
@@ -133,8 +134,28 @@ def test_vllm_extraction_on_cpu_has_its_own_reference_and_the_caveat_only_where_
     tp = validate_config({"prompts": {"max_prompts": 10}, "vllm": {"tensor_parallel_size": 2}})
     assert all(p.source.endswith("; rough: tensor/pipeline parallel not modelled") for p in make_plan(tp, BUILTIN_SHAPE, tmp_path, "cpu"))
     gpu = _by_stage(make_plan(hf, BUILTIN_SHAPE, tmp_path, "cuda"))  # hf backend on a GPU: its own figure
-    assert gpu["extract_hidden_states"].load_seconds == REFERENCE["cuda"]["extract_hidden_states_hf"]["load_seconds"]
-    assert gpu["generate_traces"].source.endswith(" x 7.73; rough: tensor/pipeline parallel not modelled")
+    assert (
+        gpu["extract_hidden_states"].load_seconds
+        == reference_for("cuda", BUILTIN_SHAPE["params"])["extract_hidden_states_hf"]["load_seconds"]
+    )
+    assert gpu["generate_traces"].source == f"reference ({reference_for('cuda', BUILTIN_SHAPE['params'])['source']})"
+
+
+def test_a_gpu_plan_uses_the_reference_nearest_the_target_in_size(tmp_path):
+    small, big = (r["params"] for r in sorted(REFERENCES["cuda"], key=lambda r: r["params"]))
+    assert reference_for("cuda", 1_000_000_000)["params"] == small  # 1B: log distance 2.0 vs 2.1
+    assert reference_for("cuda", 3_000_000_000)["params"] == big
+    cfg = validate_config({"prompts": {"max_prompts": 100}, "extraction": {"backend": "vllm"}})
+    eight_b = {"params": big, "num_hidden_layers": 32, "hidden_size": 4096}
+    ref = reference_for("cuda", big)
+    p = _by_stage(make_plan(cfg, eight_b, tmp_path, "cuda"))
+    assert p["extract_hidden_states"].tokens_per_second == ref["extract_hidden_states"]["tokens_per_second"]
+    assert p["extract_hidden_states"].source == f"reference ({ref['source']})"  # the size it was measured on: no caveat
+    one_b = {"params": 1_000_000_000, "num_hidden_layers": 16, "hidden_size": 2048}
+    g = _by_stage(make_plan(cfg, one_b, tmp_path, "cuda"))["generate_traces"]
+    smol = reference_for("cuda", small)["generate_traces"]["tokens_per_second"]
+    assert g.tokens_per_second == pytest.approx(smol * small / 1e9, rel=1e-3)  # a bigger target: time ~ parameters
+    assert g.source.endswith("; rough: scaled from another target size")
 
 
 TINY_SNAKEFILE = """

@@ -6,7 +6,8 @@ come, in this order of preference, from
 1. this run's own finished outputs (trace summaries, hidden-state indexes, the training
    summary, the acceptance file: each records tokens/s and model load seconds), so a
    resumed or repeated run is planned from what this host measured; or
-2. reference figures measured by this project (:data:`REFERENCE`), scaled to the target by
+2. reference figures measured by this project (:data:`REFERENCES`, the one nearest the target in
+   size), scaled to the target by
    its parameter count (full-model stages are compute bound: time per token ~ parameters)
    and, for training, by the drafter's hidden size squared.
 
@@ -37,37 +38,75 @@ STAGES = {
     "evaluate_drafter": ("eval/acceptance.json", "output_tokens", "seconds", "model_load_seconds"),
 }
 
-#: Reference throughputs (tokens/s, load s) per platform and stage, with where they were measured
-#: (a figure's own ``source`` overrides its platform's). ``extract_hidden_states_<backend>`` is the
-#: extraction figure for the backend that is not the platform's usual one.
-REFERENCE = {
-    "cpu": {
-        "source": "this project's demo run on 2 CPU cores (SmolLM2-135M)",
-        "params": 134_515_008,
-        "hidden_size": 576,
-        "generate_traces": {"tokens_per_second": 409.0, "load_seconds": 31.0},
-        "extract_hidden_states": {"tokens_per_second": 1300.0, "load_seconds": 3.0},
-        # the vllm backend starts a vLLM engine (16-20 s on CPU), the hf backend loads in ~3 s
-        "extract_hidden_states_vllm": {
-            "tokens_per_second": 2449.0,
-            "load_seconds": 18.0,
-            "source": "extraction.backend vllm on 2 CPU cores (SmolLM2-135M), the demo's 296 traces, 110,721 tokens: "
-            "2,449 tok/s, engine start 16-20 s",
+#: Reference throughputs (tokens/s, load s) per platform and target, with where they were
+#: measured (a figure's own ``source`` overrides its reference's). A plan uses the platform's
+#: reference nearest the target in parameter count (:func:`reference_for`).
+#: ``extract_hidden_states_<backend>`` is the extraction figure for the backend that is not the
+#: reference's usual one.
+REFERENCES = {
+    "cpu": [
+        {
+            "source": "this project's demo run on 2 CPU cores (SmolLM2-135M)",
+            "params": 134_515_008,
+            "hidden_size": 576,
+            "generate_traces": {"tokens_per_second": 409.0, "load_seconds": 31.0},
+            "extract_hidden_states": {"tokens_per_second": 1300.0, "load_seconds": 3.0},
+            # the vllm backend starts a vLLM engine (16-20 s on CPU), the hf backend loads in ~3 s
+            "extract_hidden_states_vllm": {
+                "tokens_per_second": 2449.0,
+                "load_seconds": 18.0,
+                "source": "extraction.backend vllm on 2 CPU cores (SmolLM2-135M), the demo's 296 traces, "
+                "110,721 tokens: 2,449 tok/s, engine start 16-20 s",
+            },
+            "train_drafter": {"tokens_per_second": 668.0, "load_seconds": 5.0},
+            "evaluate_drafter": {"tokens_per_second": 197.0, "load_seconds": 31.0},
+        }
+    ],
+    "cuda": [
+        {
+            "source": "1 x H200, Llama-3.1-8B-shaped target (benchmarks/results/vs_speculators_h200.json)",
+            "params": 8_030_261_248,
+            "hidden_size": 4096,
+            "generate_traces": {"tokens_per_second": 7868.0, "load_seconds": 50.0},
+            "extract_hidden_states": {"tokens_per_second": 25764.0, "load_seconds": 41.0},
+            "extract_hidden_states_hf": {"tokens_per_second": 10644.0, "load_seconds": 12.0},
+            "train_drafter": {"tokens_per_second": 14055.0, "load_seconds": 89.0},
+            "evaluate_drafter": {"tokens_per_second": 7868.0, "load_seconds": 50.0},
         },
-        "train_drafter": {"tokens_per_second": 668.0, "load_seconds": 5.0},
-        "evaluate_drafter": {"tokens_per_second": 197.0, "load_seconds": 31.0},
-    },
-    "cuda": {
-        "source": "1 x H200, Llama-3.1-8B-shaped target (benchmarks/results/vs_speculators_h200.json)",
-        "params": 8_030_261_248,
-        "hidden_size": 4096,
-        "generate_traces": {"tokens_per_second": 7868.0, "load_seconds": 50.0},
-        "extract_hidden_states": {"tokens_per_second": 25764.0, "load_seconds": 41.0},
-        "extract_hidden_states_hf": {"tokens_per_second": 10644.0, "load_seconds": 12.0},
-        "train_drafter": {"tokens_per_second": 14055.0, "load_seconds": 89.0},
-        "evaluate_drafter": {"tokens_per_second": 7868.0, "load_seconds": 50.0},
-    },
+        {
+            "source": "1 x H200, SmolLM2-135M, config/examples/smollm2-h200.yaml (benchmarks/results/gpu_dag_h200.json)",
+            "params": 134_515_008,
+            "hidden_size": 576,
+            # CUDA graphs on, max_num_seqs 1024, 512-token completions
+            "generate_traces": {"tokens_per_second": 22287.0, "load_seconds": 79.0},
+            "extract_hidden_states": {"tokens_per_second": 216358.0, "load_seconds": 63.0},
+            "extract_hidden_states_hf": {
+                "tokens_per_second": 101000.0,
+                "load_seconds": 3.0,
+                "source": "hf backend, SmolLM2-135M on 1 x H200 (9.5x the 8B shape's 10,644 tok/s, session 2)",
+            },
+            # steady rate; the first steps' compilation (104 s) counted as load
+            "train_drafter": {"tokens_per_second": 121577.0, "load_seconds": 104.0},
+            "evaluate_drafter": {"tokens_per_second": 10703.0, "load_seconds": 98.0},
+        },
+    ],
 }
+
+
+def reference_for(platform: str, params: int) -> dict:
+    """The reference figures of ``platform`` measured on the target nearest ``params`` in size.
+
+    Nearest is the smallest ``|log(reference params / params)|``, so a 1B target is planned
+    from SmolLM2-135M's figures on a GPU and a 3B target from the 8B shape's.
+
+    Raises:
+        KeyError: an unknown platform.
+    """
+    import math
+
+    return min(REFERENCES[platform], key=lambda r: abs(math.log(r["params"] / max(params, 1))))
+
+
 #: Completion tokens per prompt as a fraction of ``max_tokens`` (demo run: 59,792 / 296 / 256).
 COMPLETION_FILL = 0.79
 #: Prompt tokens per ShareGPT first turn after the chat template (demo run: 50,929 / 296).
@@ -159,7 +198,7 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
     from .conventions import resolve_layer_ids
 
     d = Path(run_dir)
-    ref = REFERENCE[platform]
+    ref = reference_for(platform, target["params"])
     got = measured(d)
     prompts_summary = _read(d / "prompts/summary.json")
     traces = [
@@ -204,9 +243,11 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
         d_ = replicas.get(stage, 1)
         note = "" if round(s, 3) == 1 else f" x {s:.3g}"
         note += f" x {d_} replicas" if d_ > 1 else ""
-        # the caveat where it applies: a GPU host, or parallelism the reference did not have
-        if platform != "cpu" or engine_gpus > 1 or d_ > 1:
-            note += "; rough: tensor/pipeline parallel not modelled"
+        # caveats where they apply: a GPU figure scaled to another size, parallelism the reference did not have
+        caveats = ["scaled from another target size"] if platform != "cpu" and round(s, 3) != 1 else []
+        caveats += ["tensor/pipeline parallel not modelled"] if engine_gpus > 1 else []
+        caveats += ["replicas scaled linearly"] if d_ > 1 else []
+        note += f"; rough: {', '.join(caveats)}" if caveats else ""
         return (
             r["tokens_per_second"] * s * d_,
             r["load_seconds"] * (load_scale if stage != "train_drafter" else 1.0),
