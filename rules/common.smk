@@ -11,6 +11,12 @@ from snakemake.exceptions import WorkflowError
 from eagle3_pipeline.config import ConfigError, check_against_target, validate_config
 from eagle3_pipeline.io import InputError
 from eagle3_pipeline.prompts import sources_digest
+from eagle3_pipeline.sweep import (
+    changes,
+    shares_drafter,
+    shares_vocab,
+    variant_configs,
+)
 from eagle3_pipeline.target_model import (
     BUILTIN_SHAPE,
     BUILTIN_TARGET,
@@ -74,13 +80,30 @@ if _X["backend"] == "vllm":
     # transformers-only settings do not change what vLLM writes: no rerun when they change
     for _k in ("batch_tokens", "device"):
         EXTRACTION_PARAMS.pop(_k)
-# loader processes change when batches are read, not which: no rerun when they change
-TRAINING_PARAMS = {k: v for k, v in config["training"].items() if k != "loader_workers"}
+
+
+def training_params(cfg):
+    """A config's training settings as params: loader processes change when batches are read,
+    not which, so changing them must not rerun training."""
+    return {k: v for k, v in cfg["training"].items() if k != "loader_workers"}
+
+
+TRAINING_PARAMS = training_params(config)
+# Drafter variants of this run (sweep.variants): each one's full, validated config.
+try:
+    VARIANTS = variant_configs(config)
+except ConfigError as e:
+    raise WorkflowError(str(e))
+# With variants, trainings and evaluations interleave: every training then takes the
+# full-model lock too, so no training holds the GPU that an evaluation's engine needs (the
+# GPU-free check before each full-model job would stop the evaluation).
+TRAIN_FULL_MODEL = 1 if VARIANTS else 0
 THREADS = config["resources"]["threads"]
 
 
 wildcard_constraints:
     shard=r"\d{5}",
+    variant=r"[A-Za-z0-9._-]+",
 
 
 def is_builtin_target():
@@ -98,13 +121,18 @@ def get_target_dir(wildcards=None):
 
 
 def check_config_against_target():
-    """Settings that depend on the target's shape, checked before any job runs."""
+    """Settings that depend on the target's shape (the run's and each variant's), checked before any job runs."""
     if is_builtin_target():
         shape = BUILTIN_SHAPE
     else:
         shape = target_shape(get_target_dir())
     try:
         check_against_target(config, *shape)
+        for name, cfg in VARIANTS.items():
+            try:
+                check_against_target(cfg, *shape)
+            except ConfigError as e:
+                raise ConfigError(f"sweep.variants.{name}: {e}") from None
     except ConfigError as e:
         raise WorkflowError(str(e))
 
@@ -133,9 +161,9 @@ def get_eval_sources_digest():
         raise WorkflowError(f"evaluation.prompts: {e}")
 
 
-def get_init_drafter_identity():
-    """Content identity of the warm-start drafter (training.init_from), or None."""
-    path = config["training"]["init_from"]
+def get_init_drafter_identity(cfg=None):
+    """Content identity of the warm-start drafter (training.init_from of the run, or of ``cfg``), or None."""
+    path = (cfg or config)["training"]["init_from"]
     if path is None:
         return None
     if not Path(path, "config.json").is_file():
@@ -181,9 +209,55 @@ def get_hidden_state_indexes(wildcards):
     )
 
 
-def get_num_speculative_tokens():
-    k = config["evaluation"]["num_speculative_tokens"]
-    return k if k is not None else config["training"]["ttt_steps"]
+def get_num_speculative_tokens(cfg=None):
+    cfg = cfg or config
+    k = cfg["evaluation"]["num_speculative_tokens"]
+    return k if k is not None else cfg["training"]["ttt_steps"]
+
+
+def get_variant_vocab(wildcards):
+    """A variant's d2t/t2d/coverage: the run's own unless its vocab settings differ."""
+    v = wildcards.variant
+    own = shares_vocab(config, VARIANTS[v])
+    base = f"results/{RUN}/vocab" if own else f"results/{RUN}/sweep/{v}/vocab"
+    return {k: f"{base}/{k}.npy" for k in ("d2t", "t2d")}
+
+
+def get_variant_drafter(wildcards):
+    """A variant's drafter and its training summary: the run's own unless vocab or training differ."""
+    v = wildcards.variant
+    own = shares_drafter(config, VARIANTS[v])
+    base = f"results/{RUN}" if own else f"results/{RUN}/sweep/{v}"
+    return {"drafter": f"{base}/drafter", "train_summary": f"{base}/train/summary.json"}
+
+
+def get_sweep_rows():
+    """The sweep table's drafters, the run's own first: name, changes, whether the drafter is
+    the run's own, and its acceptance, training summary and coverage files."""
+    rows = [
+        {
+            "name": "(run)",
+            "changes": {},
+            "shared": False,
+            "acceptance": f"results/{RUN}/eval/acceptance.json",
+            "train_summary": f"results/{RUN}/train/summary.json",
+            "coverage": f"results/{RUN}/vocab/coverage.json",
+        }
+    ]
+    for v, cfg in VARIANTS.items():
+        wc = SimpleNamespace(variant=v)
+        vocab = get_variant_vocab(wc)["d2t"].rsplit("/", 1)[0]
+        rows.append(
+            {
+                "name": v,
+                "changes": changes(config, cfg),
+                "shared": shares_drafter(config, cfg),
+                "acceptance": f"results/{RUN}/sweep/{v}/eval/acceptance.json",
+                "train_summary": get_variant_drafter(wc)["train_summary"],
+                "coverage": f"{vocab}/coverage.json",
+            }
+        )
+    return rows
 
 
 check_config_against_target()
@@ -196,6 +270,7 @@ def get_final_outputs():
         f"results/{RUN}/summary.json",
         *rules.plot_run.output,
         *rules.write_manifest.output,
+        *(rules.sweep_table.output if VARIANTS else []),
     ]
 
 
@@ -211,7 +286,20 @@ LINEAGE_RULES = (
     "evaluate_drafter",
     "summarize_run",
     "plot_run",
+    "build_vocab_mapping_variant",
+    "train_drafter_variant",
+    "evaluate_drafter_variant",
+    "sweep_table",
 )
+
+
+def _variants_of(rule_name):
+    """The sweep variants that have a job of ``rule_name`` (their own vocab, drafter, evaluation)."""
+    needs = {
+        "build_vocab_mapping_variant": lambda cfg: not shares_vocab(config, cfg),
+        "train_drafter_variant": lambda cfg: not shares_drafter(config, cfg),
+    }.get(rule_name, lambda cfg: True)
+    return [v for v, cfg in VARIANTS.items() if needs(cfg)]
 
 
 def _lineage_paths(files, wildcards):
@@ -224,6 +312,12 @@ def _lineage_paths(files, wildcards):
         return [str(x).format(**vars(wildcards)) for x in items]
 
     named = {name: resolve(item) for name, item in files.items()}
+    listed = {id(v) for _, v in files.items()}
+    for item in files:  # unpack()ed input functions: named files of their own
+        if callable(item) and id(item) not in listed:
+            got = item(wildcards)
+            if isinstance(got, dict):
+                named |= {name: resolve(path) for name, path in got.items()}
     if not named:  # unnamed: summarize_run's output, prepare_target_model's...
         unnamed = [p for item in files for p in resolve(item)]
         named = {"": unnamed} if unnamed else {}
@@ -256,8 +350,14 @@ def get_lineage_jobs(wildcards=None):
             continue
         proxy = getattr(rules, name)
         per_shard = any("{shard}" in str(f) for f in proxy.output)
-        for shard in SHARDS if per_shard else [None]:
-            wc = SimpleNamespace(**({"shard": shard} if shard else {}))
+        per_variant = any("{variant}" in str(f) for f in proxy.output)
+        if name == "sweep_table" and not VARIANTS:
+            continue
+        if per_variant:
+            wcs = [{"variant": v} for v in _variants_of(name)]
+        else:
+            wcs = [{"shard": s} for s in SHARDS] if per_shard else [{}]
+        for wc in map(lambda d: SimpleNamespace(**d), wcs):
             jobs.append(
                 {
                     "rule": name,

@@ -17,6 +17,7 @@ rule train_drafter:
     threads: THREADS
     resources:
         gpu=config["resources"]["train_gpus"],
+        full_model=TRAIN_FULL_MODEL,
     params:
         trust_remote_code=config["target"]["trust_remote_code"],
         training=TRAINING_PARAMS,

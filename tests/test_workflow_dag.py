@@ -185,4 +185,4 @@ def test_one_gpu_example_runs_every_stage_on_the_one_gpu(tmp_path):
         (job,) = [b for b in blocks if f"rule {rule}:" in b]
         assert "gpu=1" in job and "full_model=1" in job, job
     (train,) = [b for b in blocks if "rule train_drafter:" in b]
-    assert "gpu=1" in train and "full_model" not in train, train
+    assert "gpu=1" in train and "full_model=1" not in train, train  # training shares no lock without sweep variants

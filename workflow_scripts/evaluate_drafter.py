@@ -16,7 +16,10 @@ if __name__ == "__main__":
     k = sm.params.num_speculative_tokens
     drafter = str(Path(sm.input.drafter).resolve())
     spec = {"method": "eagle3", "model": drafter, "num_speculative_tokens": k}
-    pids = ProcessRecord(Path(sm.output.acceptance).parents[1] / ".pids", "evaluate_drafter")
+    # the run's process records (results/<run>/.pids), for a sweep variant's evaluation too
+    variant = getattr(sm.wildcards, "variant", None)
+    name = "evaluate_drafter" + (f"-{variant}" if variant else "")
+    pids = ProcessRecord(Path("results", sm.config["run"], ".pids"), name)
     # read from the config, not a param: changing it (local vs cluster) must not rerun the job
     with host_lock(enabled=sm.config["resources"]["host_lock"]):
         cleanup_stale_processes(pids.path.parent)

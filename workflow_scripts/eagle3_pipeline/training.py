@@ -459,6 +459,8 @@ def train(
     hidden_size = base.hidden_size
 
     train_items, val_items = split_items(readers, cfg["val_fraction"])
+    if cfg.get("max_train_samples"):
+        train_items = train_items[: cfg["max_train_samples"]]
     train_ds = ShardDataset(readers, train_items, total_seq_len, hs_dtype)
     val_ds = ShardDataset(readers, val_items, total_seq_len, hs_dtype) if val_items else None
     train_loader = _loader(train_ds, total_seq_len, hidden_size, len(aux), seed)

@@ -1,0 +1,83 @@
+# Drafter variants of the run (config sweep.variants): the vocab, training and evaluation
+# rules again, on the run's traces and hidden states, with each variant's settings; outputs
+# under results/<run>/sweep/<variant>/. Library: workflow_scripts/eagle3_pipeline/sweep.py.
+
+
+use rule build_vocab_mapping as build_vocab_mapping_variant with:
+    output:
+        d2t=f"results/{RUN}/sweep/{{variant}}/vocab/d2t.npy",
+        t2d=f"results/{RUN}/sweep/{{variant}}/vocab/t2d.npy",
+        token_freq=f"results/{RUN}/sweep/{{variant}}/vocab/token_freq.npy",
+        coverage=f"results/{RUN}/sweep/{{variant}}/vocab/coverage.json",
+    log:
+        f"logs/{RUN}/sweep/{{variant}}/build_vocab_mapping.log",
+    params:
+        trust_remote_code=config["target"]["trust_remote_code"],
+        draft_vocab_size=lambda w: VARIANTS[w.variant]["vocab"]["draft_vocab_size"],
+        init_from=lambda w: VARIANTS[w.variant]["training"]["init_from"],
+        init_identity=lambda w: get_init_drafter_identity(VARIANTS[w.variant]),
+
+
+use rule train_drafter as train_drafter_variant with:
+    input:
+        unpack(get_variant_vocab),
+        shards=get_hidden_state_shards,
+        target=get_target_dir(),
+    output:
+        drafter=directory(f"results/{RUN}/sweep/{{variant}}/drafter"),
+        metrics=f"results/{RUN}/sweep/{{variant}}/train/metrics.jsonl",
+        summary=f"results/{RUN}/sweep/{{variant}}/train/summary.json",
+    log:
+        f"logs/{RUN}/sweep/{{variant}}/train_drafter.log",
+    benchmark:
+        f"benchmarks/{RUN}/sweep/{{variant}}/train_drafter.tsv"
+    params:
+        trust_remote_code=config["target"]["trust_remote_code"],
+        training=lambda w: training_params(VARIANTS[w.variant]),
+        init_identity=lambda w: get_init_drafter_identity(VARIANTS[w.variant]),
+        train_processes=TRAIN_PROCESSES,
+        seed=config["seed"],
+        max_seq_len=config["max_seq_len"],
+
+
+use rule evaluate_drafter as evaluate_drafter_variant with:
+    input:
+        unpack(get_variant_drafter),
+        prompts=f"results/{RUN}/eval/prompts.jsonl",
+        target=get_target_dir(),
+    output:
+        acceptance=f"results/{RUN}/sweep/{{variant}}/eval/acceptance.json",
+        outputs=f"results/{RUN}/sweep/{{variant}}/eval/outputs.jsonl",
+    log:
+        f"logs/{RUN}/sweep/{{variant}}/evaluate_drafter.log",
+    benchmark:
+        f"benchmarks/{RUN}/sweep/{{variant}}/evaluate_drafter.tsv"
+    params:
+        trust_remote_code=config["target"]["trust_remote_code"],
+        evaluation=lambda w: VARIANTS[w.variant]["evaluation"],
+        num_speculative_tokens=lambda w: get_num_speculative_tokens(VARIANTS[w.variant]),
+        generation=config["generation"],
+        vllm=VLLM_PARAMS,
+        seed=config["seed"],
+        max_seq_len=config["max_seq_len"],
+
+
+# One table of tau and training cost: the run's drafter and every variant's.
+rule sweep_table:
+    input:
+        acceptance=[r["acceptance"] for r in get_sweep_rows()],
+        train_summary=[r["train_summary"] for r in get_sweep_rows()],
+        coverage=[r["coverage"] for r in get_sweep_rows()],
+    output:
+        json=f"results/{RUN}/sweep.json",
+        table=f"results/{RUN}/sweep.md",
+    log:
+        f"logs/{RUN}/sweep_table.log",
+    conda:
+        "../envs/cpu.yaml"
+    params:
+        rows=[
+            {k: r[k] for k in ("name", "changes", "shared")} for r in get_sweep_rows()
+        ],
+    script:
+        "../workflow_scripts/sweep_table.py"

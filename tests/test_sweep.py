@@ -1,0 +1,156 @@
+"""Drafter sweeps inside a run (sweep.variants): configs, sharing, the table, the DAG and a real sweep."""
+
+import json
+import re
+import shutil
+
+import pytest
+import yaml
+from e2e_support import SMALL, make_workdir, snakemake_cli
+
+from eagle3_pipeline.config import ConfigError, validate_config
+from eagle3_pipeline.sweep import changes, format_table, shares_drafter, shares_vocab, sweep_row, variant_configs
+
+
+def _cfg(variants):
+    return validate_config({"training": {"epochs": 3}, "sweep": {"variants": variants}})
+
+
+def test_variant_configs_merge_the_variant_into_the_run_settings():
+    cfg = _cfg({"ttt5": {"training": {"ttt_steps": 5}}, "v4k": {"vocab": {"draft_vocab_size": 4096}}})
+    got = variant_configs(cfg)
+    assert list(got) == ["ttt5", "v4k"]
+    assert got["ttt5"]["training"]["ttt_steps"] == 5 and got["ttt5"]["training"]["epochs"] == 3  # the run's other settings kept
+    assert got["ttt5"]["sweep"] == {"variants": {}} and got["ttt5"]["vocab"] == cfg["vocab"]
+    assert got["v4k"]["vocab"]["draft_vocab_size"] == 4096 and got["v4k"]["training"] == cfg["training"]
+    assert changes(cfg, got["ttt5"]) == {"training.ttt_steps": 5}
+    assert shares_vocab(cfg, got["ttt5"]) and not shares_drafter(cfg, got["ttt5"])
+    assert not shares_vocab(cfg, got["v4k"]) and not shares_drafter(cfg, got["v4k"])
+    k2 = variant_configs(_cfg({"k2": {"evaluation": {"num_speculative_tokens": 2}}}))["k2"]
+    assert shares_drafter(cfg, k2)  # only evaluation differs: the run's drafter is evaluated again
+
+
+@pytest.mark.parametrize(
+    "variant, message",
+    [
+        ({"training": {"ttt_stepz": 5}}, "sweep.variants.bad: invalid configuration"),
+        ({"training": {"ttt_steps": 0}}, "training.ttt_steps: 0 is less than the minimum of 1"),
+        ({"evaluation": {"prompts": {"type": "builtin_mtbench"}}}, "sweep.variants.bad.evaluation.prompts: every variant"),
+        ({"evaluation": {"max_prompts": 5}}, "sweep.variants.bad.evaluation.max_prompts"),
+        ({"training": {"epochs": 3}}, "sweep.variants.bad: changes nothing"),
+        ({"training": {"loader_workers": 2}}, "sweep.variants.bad: changes nothing"),
+    ],
+)
+def test_a_bad_variant_is_an_error_naming_it(variant, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        variant_configs(_cfg({"bad": variant}))
+
+
+def test_the_schema_refuses_variants_outside_vocab_training_evaluation():
+    with pytest.raises(ConfigError, match="sweep.variants.x: Additional properties are not allowed .'generation'"):
+        _cfg({"x": {"generation": {"max_tokens": 5}}})
+    with pytest.raises(ConfigError, match="sweep.variants"):
+        _cfg({"a/b": {"training": {"ttt_steps": 2}}})  # a name that is not a path segment
+
+
+ACC = {"acceptance_length": 2.5, "per_position_acceptance_rate": [0.75, 0.5, 0.25], "num_speculative_tokens": 3}
+TRAIN = {
+    "ttt_steps": 3,
+    "epochs": 4,
+    "train_samples": 14580,
+    "tokens_seen": 31235296,
+    "seconds": 334.9,
+    "final_val": {"full_acc_0": 0.877, "full_acc_1": 0.79, "full_acc_2": 0.729},
+}
+COV = {"draft_vocab_size": 32000, "coverage": 1.0}
+
+
+def test_sweep_rows_and_table():
+    run = sweep_row("(run)", {}, ACC, TRAIN, COV, shared=False)
+    assert run["tau"] == 2.5 and run["train_seconds"] == 334.9 and run["val_full_acc"] == [0.877, 0.79, 0.729]
+    k2 = sweep_row(
+        "k2",
+        {"evaluation.num_speculative_tokens": 2},
+        {"acceptance_length": 2.7, "per_position_acceptance_rate": [0.8, 0.9], "num_speculative_tokens": 2},
+        TRAIN,
+        COV,
+        shared=True,
+    )
+    assert k2["train_seconds"] is None and k2["val_full_acc"] == [0.877, 0.79]  # its drafter's cost is the run's
+    lines = format_table([run, k2]).splitlines()
+    assert len(lines) == 4 and lines[0].count("|") == lines[1].count("|") == lines[2].count("|")
+    assert (
+        lines[2]
+        == "| k2 | evaluation.num_speculative_tokens=2 | 2.700 | 0.80 / 0.90 | 2 | 32000 (1.0000) | 3 | 4 | 14,580 | 31,235,296 | - | 0.88 / 0.79 |"
+    )
+    assert lines[3].startswith("| (run) | (the run's own) | 2.500 | 0.75 / 0.50 / 0.25 | 3 |") and "| 335 |" in lines[3]
+
+
+SWEEP = {
+    "k1": {"evaluation": {"num_speculative_tokens": 1}},  # the run's drafter, evaluated with k = 1
+    "ttt1": {"training": {"ttt_steps": 1, "epochs": 1}},  # a drafter of its own, on the run's vocab
+    "v1k": {"vocab": {"draft_vocab_size": 1024}},  # its own vocab and drafter
+}
+
+
+def test_the_dag_reuses_the_run_vocab_and_drafter_where_a_variant_leaves_them(tmp_path):
+    cfg = make_workdir(tmp_path, SMALL | {"sweep": {"variants": SWEEP}})
+    r = snakemake_cli(tmp_path, cfg, "-n", "--cores", "2")
+    assert r.returncode == 0, r.stderr + r.stdout
+    blocks = re.split(r"^\[.*\d{4}\]$", r.stdout, flags=re.M)
+
+    def job(rule, variant):
+        (b,) = [b for b in blocks if f"rule {rule}:" in b and f"sweep/{variant}/" in b]
+        return dict(re.findall(r"^\s+(input|output): (.*)$", b, flags=re.M))
+
+    assert not [b for b in blocks if "rule train_drafter_variant:" in b and "sweep/k1/" in b]
+    assert job("evaluate_drafter_variant", "k1")["input"].startswith("results/e2e/drafter, results/e2e/train/summary.json")
+    assert job("train_drafter_variant", "ttt1")["input"].startswith("results/e2e/vocab/d2t.npy, results/e2e/vocab/t2d.npy")
+    assert job("train_drafter_variant", "v1k")["input"].startswith("results/e2e/sweep/v1k/vocab/d2t.npy")
+    assert [b for b in blocks if "rule build_vocab_mapping_variant:" in b and "sweep/v1k/" in b]
+    assert len([b for b in blocks if "rule build_vocab_mapping_variant:" in b]) == 1
+    assert "results/e2e/sweep.md" in [b for b in blocks if "rule sweep_table:" in b][0]
+    # trainings and evaluations interleave in a sweep: every training takes the full-model lock too
+    trains = [b for b in blocks if re.search(r"rule train_drafter(_variant)?:", b)]
+    assert len(trains) == 3 and all("gpu=1" in b and "full_model=1" in b for b in trains)
+
+
+@pytest.mark.e2e
+def test_a_sweep_on_a_finished_run_trains_and_evaluates_only_the_variants(e2e_run, tmp_path):
+    src, _, _ = e2e_run
+    wd = tmp_path / "wd"
+    shutil.copytree(src, wd, symlinks=True)  # the finished run, its metadata and mtimes
+    res = wd / "results" / "e2e"
+    traces_before = {p: p.stat().st_mtime_ns for p in res.glob("traces/*.jsonl")}
+    cfg = wd / "sweep.yaml"
+    cfg.write_text(yaml.safe_dump(SMALL | {"sweep": {"variants": {k: SWEEP[k] for k in ("k1", "ttt1")}}}))
+    r = snakemake_cli(wd, cfg, "--cores", "4", "--resources", "mem_gb=100")
+    assert r.returncode == 0, r.stderr[-4000:]
+    ran = set(re.findall(r"^(?:local)?rule (\w+):", r.stderr, flags=re.M))
+    assert ran == {"evaluate_drafter_variant", "train_drafter_variant", "sweep_table", "write_manifest", "all"}, ran
+    assert {p: p.stat().st_mtime_ns for p in res.glob("traces/*.jsonl")} == traces_before
+
+    rows = {r["variant"]: r for r in json.loads((res / "sweep.json").read_text())["rows"]}
+    run_acc = json.loads((res / "eval/acceptance.json").read_text())
+    assert rows["(run)"]["tau"] == run_acc["acceptance_length"]
+    k1 = json.loads((res / "sweep/k1/eval/acceptance.json").read_text())
+    assert k1["num_speculative_tokens"] == 1 and len(k1["per_position_acceptance_rate"]) == 1
+    assert k1["drafter"] == str((res / "drafter").resolve())  # the run's own drafter
+    assert rows["k1"]["tau"] == k1["acceptance_length"] and rows["k1"]["train_seconds"] is None
+    ttt1 = json.loads((res / "sweep/ttt1/train/summary.json").read_text())
+    assert ttt1["ttt_steps"] == 1 and ttt1["epochs"] == 1
+    assert rows["ttt1"]["changes"] == {"training.epochs": 1, "training.ttt_steps": 1}
+    assert rows["ttt1"]["train_seconds"] == ttt1["seconds"] and rows["ttt1"]["num_speculative_tokens"] == 1
+    assert (
+        json.loads((res / "sweep/ttt1/drafter/config.json").read_text())["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+        == 1
+    )
+    assert "| ttt1 | training.epochs=1, training.ttt_steps=1 |" in (res / "sweep.md").read_text()
+    # the manifest covers the variants' files, each with the job that wrote it
+    arts = json.loads((res / "manifest.json").read_text())["artifacts"]
+    assert arts["sweep/ttt1/train/summary.json"]["rule"] == "train_drafter_variant"
+    assert arts["sweep/ttt1/train/summary.json"]["wildcards"] == {"variant": "ttt1"}
+    assert {"vocab/d2t.npy", "hidden_states/shard-00000.safetensors"} <= {
+        i["path"] for i in arts["sweep/ttt1/train/summary.json"]["inputs"]
+    }
+    assert arts["sweep.md"]["rule"] == "sweep_table"
