@@ -154,3 +154,17 @@ def test_a_sweep_on_a_finished_run_trains_and_evaluates_only_the_variants(e2e_ru
         i["path"] for i in arts["sweep/ttt1/train/summary.json"]["inputs"]
     }
     assert arts["sweep.md"]["rule"] == "sweep_table"
+
+
+def test_max_train_samples_keeps_the_first_training_samples_and_the_same_validation():
+    from types import SimpleNamespace
+
+    from eagle3_pipeline.training import split_items
+
+    readers = [SimpleNamespace(sample_ids=[f"s{i}-{j}" for j in range(40)]) for i in range(2)]
+    train, val = split_items(readers, 0.2)
+    assert len(train) + len(val) == 80 and 5 < len(val) < 30
+    few, val_few = split_items(readers, 0.2, max_train_samples=10)
+    assert few == train[:10] and val_few == val
+    assert split_items(readers, 0.2, max_train_samples=25)[0][:10] == few  # a smaller N's samples are in a larger N's
+    assert split_items(readers, 0.2, max_train_samples=1000)[0] == train

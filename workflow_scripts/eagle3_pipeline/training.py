@@ -73,13 +73,19 @@ class ShardDataset(_base_dataset()):  # type: ignore[misc]
         }
 
 
-def split_items(readers: list[ShardReader], val_fraction: float) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+def split_items(
+    readers: list[ShardReader], val_fraction: float, max_train_samples: int | None = None
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """Split samples into train/validation by a hash of their id: deterministic.
 
     A sample is validation when the first 8 bytes of ``sha256("val:" + id)``, read as a
     fraction of 2**64, fall below ``val_fraction``. The id itself is not used directly:
     ``prompts.max_prompts`` keeps the lowest ids, which would all land on one side.
-    At least one sample stays in training.
+    At least one sample stays in training. ``max_train_samples`` keeps the first N training
+    samples in shard order (training.max_train_samples); validation is the same for any N.
+
+    Returns:
+        ``(train, val)``: lists of ``(shard index, sample index)``.
     """
     train, val = [], []
     for s, r in enumerate(readers):
@@ -88,7 +94,7 @@ def split_items(readers: list[ShardReader], val_fraction: float) -> tuple[list[t
             (val if u < val_fraction else train).append((s, i))
     if not train:
         train, val = val[:1], val[1:]
-    return train, val
+    return train[:max_train_samples] if max_train_samples else train, val
 
 
 def resolve_device(device: str) -> str:
@@ -458,9 +464,7 @@ def train(
     base = build_drafter(target_path, d2t, t2d, aux, {**cfg, "max_seq_len_hint": total_seq_len}, device, trust_remote_code)
     hidden_size = base.hidden_size
 
-    train_items, val_items = split_items(readers, cfg["val_fraction"])
-    if cfg.get("max_train_samples"):
-        train_items = train_items[: cfg["max_train_samples"]]
+    train_items, val_items = split_items(readers, cfg["val_fraction"], cfg.get("max_train_samples"))
     train_ds = ShardDataset(readers, train_items, total_seq_len, hs_dtype)
     val_ds = ShardDataset(readers, val_items, total_seq_len, hs_dtype) if val_items else None
     train_loader = _loader(train_ds, total_seq_len, hidden_size, len(aux), seed)
