@@ -1,0 +1,102 @@
+"""Where τ goes: a finished run's drafter in vLLM on its own validation prompts and on the evaluation prompts.
+
+train_drafter reports offline token accuracy on the validation split (the target's own
+responses to held-out training prompts); evaluate_drafter measures acceptance in vLLM on
+the evaluation prompts (MT-Bench). When the two disagree, this tells a train/serve mismatch
+(acceptance on the validation prompts far below their offline accuracy) from a shift between
+the prompt sets (acceptance on the validation prompts near it). It evaluates the run's drafter
+in vLLM on ``--prompts`` validation prompts with the run's settings, prints τ and acceptance
+per position beside the offline accuracy and the run's own evaluation, and writes ``--out``.
+
+    python benchmarks/online_vs_offline.py --configfile config/config.yaml --prompts 40 \\
+        --out benchmarks/results/online_vs_offline_cpu.json
+    (GPU: --configfile config/examples/smollm2-h200.yaml --prompts 200)
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "workflow_scripts"))
+
+from eagle3_pipeline.config import validate_config  # noqa: E402
+from eagle3_pipeline.engine import build_llm, shutdown_llm  # noqa: E402
+from eagle3_pipeline.evaluation import run_eval  # noqa: E402
+from eagle3_pipeline.hidden_states import ShardReader  # noqa: E402
+from eagle3_pipeline.io import read_json, read_jsonl  # noqa: E402
+from eagle3_pipeline.target_model import load_tokenizer  # noqa: E402
+from eagle3_pipeline.training import split_items  # noqa: E402
+
+
+def validation_questions(run: Path, val_fraction: float, limit: int) -> list[dict]:
+    """The first ``limit`` validation samples' prompts (training's own split), as evaluation questions."""
+    readers = [ShardReader(p) for p in sorted((run / "hidden_states").glob("shard-?????.safetensors"))]
+    _, val = split_items(readers, val_fraction)
+    ids = [readers[s].sample_ids[i] for s, i in val][:limit]
+    by_id = {r["id"]: r for p in sorted((run / "prompts").glob("shard-?????.jsonl")) for r in read_jsonl(p)}
+    questions = []
+    for sid in ids:
+        users = [m["content"] for m in by_id[sid]["messages"] if m["role"] == "user"]
+        questions.append({"id": sid, "turns": users[:1]})
+    return questions
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configfile", default=str(ROOT / "config" / "config.yaml"))
+    ap.add_argument("--prompts", type=int, default=40, help="validation prompts to evaluate")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    base = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    cfg = validate_config(base | yaml.safe_load(Path(args.configfile).read_text()))
+    run = ROOT / "results" / cfg["run"]
+    target = (
+        str(ROOT / "resources" / "models" / "smollm2-135m-instruct")
+        if cfg["target"]["path"].startswith("builtin:")
+        else cfg["target"]["path"]
+    )
+    own = read_json(run / "eval" / "acceptance.json")
+    k = own["num_speculative_tokens"]
+    questions = validation_questions(run, cfg["training"]["val_fraction"], args.prompts)
+    spec = {"method": "eagle3", "model": str((run / "drafter").resolve()), "num_speculative_tokens": k}
+    t0 = time.perf_counter()
+    llm = build_llm(target, cfg["vllm"], seed=cfg["seed"], max_model_len=cfg["max_seq_len"], speculative_config=spec)
+    report, _ = run_eval(
+        llm,
+        load_tokenizer(target),
+        questions,
+        cfg["evaluation"] | {"num_speculative_tokens": k},
+        cfg["generation"]["chat_template_kwargs"],
+    )
+    shutdown_llm(llm)
+    offline = own.get("offline_validation", {})
+    result = {
+        "run": cfg["run"],
+        "num_speculative_tokens": k,
+        "validation_prompts": {
+            "n": len(questions),
+            "tau": report["acceptance_length"],
+            "per_position": report["per_position_acceptance_rate"],
+        },
+        "evaluation_prompts": {
+            "n": own["num_prompts"],
+            "tau": own["acceptance_length"],
+            "per_position": own["per_position_acceptance_rate"],
+        },
+        "offline_full_acc": [offline.get(f"full_acc_{i}") for i in range(k)],
+        "offline_tau": 1 + sum(offline.get(f"full_acc_{i}") or 0 for i in range(k)),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+    }
+    print(json.dumps(result, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
