@@ -103,7 +103,7 @@ THREADS = config["resources"]["threads"]
 
 wildcard_constraints:
     shard=r"\d{5}",
-    variant=r"[A-Za-z0-9._-]+",
+    variant=r"[A-Za-z0-9][A-Za-z0-9._-]*",
 
 
 def is_builtin_target():

@@ -46,6 +46,13 @@ def test_a_bad_variant_is_an_error_naming_it(variant, message):
         variant_configs(_cfg({"bad": variant}))
 
 
+@pytest.mark.parametrize("name", ["..", ".", ".hidden", "-x", 1, True])
+def test_a_variant_name_must_be_a_folder_name(name):
+    # ".." would write the run's own drafter (results/<run>/sweep/../drafter); YAML reads 1: and yes: as non-strings
+    with pytest.raises(ConfigError, match=r"sweep\.variants"):
+        variant_configs(_cfg({name: {"training": {"ttt_steps": 2}}}))
+
+
 def test_the_schema_refuses_variants_outside_vocab_training_evaluation():
     with pytest.raises(ConfigError, match="sweep.variants.x: Additional properties are not allowed .'generation'"):
         _cfg({"x": {"generation": {"max_tokens": 5}}})
@@ -168,3 +175,21 @@ def test_max_train_samples_keeps_the_first_training_samples_and_the_same_validat
     assert few == train[:10] and val_few == val
     assert split_items(readers, 0.2, max_train_samples=25)[0][:10] == few  # a smaller N's samples are in a larger N's
     assert split_items(readers, 0.2, max_train_samples=1000)[0] == train
+
+
+def test_the_plan_counts_the_variants_trainings_and_evaluations(tmp_path):
+    from eagle3_pipeline.plan import plan_run
+
+    cfg = _cfg({"ttt2": {"training": {"ttt_steps": 2}}, "k2": {"evaluation": {"num_speculative_tokens": 2}}})
+    alone = {s.stage: s for s in plan_run(validate_config({"training": {"epochs": 3}}), None, tmp_path, [], "cpu")[0]}
+    jobs = [
+        {"rule": "train_drafter_variant", "wildcards": {"variant": "ttt2"}, "output": []},
+        {"rule": "evaluate_drafter_variant", "wildcards": {"variant": "ttt2"}, "output": []},
+        {"rule": "evaluate_drafter_variant", "wildcards": {"variant": "k2"}, "output": []},
+    ]
+    got = {s.stage: s for s in plan_run(cfg, None, tmp_path, jobs, "cpu")[0]}
+    train, ev = got["train_drafter"], got["evaluate_drafter"]
+    assert (train.jobs, train.pending, train.done) == (2, [{"variant": "ttt2"}], False)  # the run's and ttt2's
+    assert train.seconds == pytest.approx(alone["train_drafter"].seconds, abs=0.1)  # one pending training
+    assert (ev.jobs, len(ev.pending)) == (3, 2) and ev.seconds == pytest.approx(2 * alone["evaluate_drafter"].seconds, abs=0.2)
+    assert got["generate_traces"].done and got["extract_hidden_states"].done

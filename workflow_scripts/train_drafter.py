@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3_pipeline.hygiene import host_lock
 from eagle3_pipeline.io import write_json_atomic
 from eagle3_pipeline.runtime import peak_memory, start_log
 from eagle3_pipeline.training import run_training
@@ -13,20 +14,24 @@ if __name__ == "__main__":
     sm = snakemake  # noqa: F821 (injected by Snakemake)
     start_log(sm.log[0])
     torch.set_num_threads(sm.threads)
-    summary = run_training(
-        {
-            "shards": list(sm.input.shards),
-            "vocab_dir": str(Path(sm.input.d2t).parent),
-            "target_path": str(Path(sm.input.target).resolve()),
-            "out_dir": sm.output.drafter,
-            "metrics_path": sm.output.metrics,
-            # loader_workers is config, not a param: no rerun when it changes
-            "cfg": sm.params.training | {"loader_workers": sm.config["training"]["loader_workers"]},
-            "seed": sm.params.seed,
-            "max_seq_len": sm.params.max_seq_len,
-            "trust_remote_code": sm.params.trust_remote_code,
-        },
-        sm.params.train_processes,
-    )
+    # in a sweep, trainings take the full-model lock (rules/common.smk: TRAIN_FULL_MODEL), and the
+    # host-wide one with it, so that no evaluation of another snakemake on this host shares the GPU
+    lock = sm.config["resources"]["host_lock"] and int(sm.resources.get("full_model", 0)) > 0
+    with host_lock(enabled=lock):
+        summary = run_training(
+            {
+                "shards": list(sm.input.shards),
+                "vocab_dir": str(Path(sm.input.d2t).parent),
+                "target_path": str(Path(sm.input.target).resolve()),
+                "out_dir": sm.output.drafter,
+                "metrics_path": sm.output.metrics,
+                # loader_workers is config, not a param: no rerun when it changes
+                "cfg": sm.params.training | {"loader_workers": sm.config["training"]["loader_workers"]},
+                "seed": sm.params.seed,
+                "max_seq_len": sm.params.max_seq_len,
+                "trust_remote_code": sm.params.trust_remote_code,
+            },
+            sm.params.train_processes,
+        )
     write_json_atomic(sm.output.summary, summary | peak_memory())
     logging.getLogger("train_drafter").info("training: %s", summary)

@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+from .sweep import shares_drafter, variant_configs
+
 #: Each stage's output under ``results/<run>/`` that records its work: (file pattern, tokens key,
 #: seconds key, model load seconds key). The stage's rule has the same name.
 STAGES = {
@@ -37,6 +39,10 @@ STAGES = {
     "train_drafter": ("train/summary.json", "tokens_seen", "seconds", None),  # compilation is inside its seconds
     "evaluate_drafter": ("eval/acceptance.json", "output_tokens", "seconds", "model_load_seconds"),
 }
+
+#: Rules that are more jobs of a stage: a sweep variant's training and evaluation
+#: (rules/sweep.smk), planned with the run's own per-job figures.
+RULE_STAGE = {"train_drafter_variant": "train_drafter", "evaluate_drafter_variant": "evaluate_drafter"}
 
 #: Reference throughputs (tokens/s, load s) per platform and target, with where they were
 #: measured (a figure's own ``source`` overrides its reference's). A plan uses the platform's
@@ -263,6 +269,11 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
     epochs = cfg["training"]["epochs"]
     train_fraction = 1.0 - cfg["training"]["val_fraction"]
     eval_tokens = int(cfg["evaluation"].get("max_prompts") or 80) * cfg["evaluation"]["max_tokens"]
+    # sweep variants: more trainings (those with a drafter of their own) and evaluations, each
+    # planned like the run's own
+    variants = variant_configs(cfg) if cfg.get("sweep", {}).get("variants") else {}
+    n_train = 1 + sum(not shares_drafter(cfg, v) for v in variants.values())
+    n_eval = 1 + len(variants)
     plan = []
     for stage, jobs, tokens, ref_key, s, disk, work in (
         ("generate_traces", shards, gen_tokens, None, scale, 0, {"prompts": n_prompts, "prompts_source": src_prompts}),
@@ -275,11 +286,11 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
             ext_tokens * per_token,
             {"samples": n_ok, "layers": layers, "bytes_per_token": per_token, "storage_dtype": dtype},
         ),
-        ("train_drafter", 1, int(ext_tokens * epochs * train_fraction), None, train_scale, 0, {"epochs": epochs}),
+        ("train_drafter", n_train, int(ext_tokens * epochs * train_fraction) * n_train, None, train_scale, 0, {"epochs": epochs}),
         (
             "evaluate_drafter",
-            1,
-            eval_tokens,
+            n_eval,
+            eval_tokens * n_eval,
             None,
             scale,
             0,
@@ -292,12 +303,13 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
         tps, load, source = rate(stage, ref_key, s)
         per_job = tokens / max(jobs, 1)
         seconds = load + per_job / tps  # jobs of one stage run one after another on one host
+        # (training's load is its compilation, once per training job like an engine's load)
         plan.append(
             StageEstimate(
                 stage,
                 jobs,
                 tokens,
-                round(seconds * jobs if stage != "train_drafter" else seconds, 1),
+                round(seconds * jobs, 1),
                 load,
                 round(tps, 1),
                 int(disk),
@@ -411,7 +423,7 @@ def plan_run(
         target = BUILTIN_SHAPE
     stages = make_plan(cfg, target, run_dir, platform)
     for st in stages:
-        st.pending = [j["wildcards"] for j in jobs if j["rule"] == st.stage]
+        st.pending = [j["wildcards"] for j in jobs if RULE_STAGE.get(j["rule"], j["rule"]) == st.stage]
         st.done = not st.pending
         if st.pending and len(st.pending) < st.jobs:  # a resumed stage: only its pending jobs
             frac = len(st.pending) / st.jobs
@@ -546,12 +558,14 @@ def job_seconds(run_dir: str | Path, bench_dir: str | Path | None, stage: str, w
     Raises:
         KeyError: ``wildcards`` lacks a wildcard of the stage's file names (``shard``).
     """
+    # a sweep variant's job: the same files under sweep/<variant>/
+    sub = f"sweep/{wildcards['variant']}/" if "variant" in wildcards else ""
     if bench_dir is not None:
-        t = _bench_seconds(Path(bench_dir) / BENCHMARKS[stage].format(**wildcards))
+        t = _bench_seconds(Path(bench_dir) / (sub + BENCHMARKS[stage].format(**wildcards)))
         if t is not None:
             return t
     pattern, _tok, sec_key, load_key = STAGES[stage]
-    r = _read(Path(run_dir) / pattern.format(**wildcards))
+    r = _read(Path(run_dir) / (sub + pattern.format(**wildcards)))
     keys = (sec_key,) if load_key is None else (load_key, sec_key)
     if isinstance(r, dict) and all(isinstance(r.get(k), int | float) and not isinstance(r.get(k), bool) for k in keys):
         return float(sum(r[k] for k in keys))

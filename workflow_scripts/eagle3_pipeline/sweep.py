@@ -15,10 +15,13 @@ the traces or hidden states: that is another run, not a variant.
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 from .config import ConfigError, validate_config
 
+#: A variant's name: a folder name under results/<run>/sweep/ (not ".", "..", hidden or a path).
+NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 #: Sections a variant may change, and the keys of those that every variant shares.
 VARIANT_SECTIONS = ("vocab", "training", "evaluation")
 SHARED_KEYS = {("evaluation", "prompts"), ("evaluation", "max_prompts")}
@@ -46,10 +49,17 @@ def variant_configs(cfg: dict) -> dict[str, dict]:
     Raises:
         ConfigError: naming the variant and key: an unknown or invalid setting (the schema's
             message), a shared setting (``evaluation.prompts``, ``evaluation.max_prompts``),
-            or a variant equal to the run's own settings.
+            a variant equal to the run's own settings, or a name that is not a folder name (``..``, ``a/b``, a
+            number or boolean as YAML reads ``1:`` or ``yes:``).
     """
     out = {}
     for name, over in cfg["sweep"]["variants"].items():
+        # YAML reads `1:` or `yes:` as a number or boolean, which the schema's name pattern does not see
+        if not isinstance(name, str) or not re.fullmatch(NAME, name):
+            raise ConfigError(
+                f"sweep.variants: {name!r} is not a variant name: letters, digits, '.', '_', '-', starting with a letter "
+                "or digit (it names a folder); quote names YAML reads as numbers or booleans"
+            )
         for section, key in sorted(SHARED_KEYS):
             if key in over.get(section, {}):
                 raise ConfigError(
