@@ -28,8 +28,9 @@ def _train(work: Path, target: Path, env_extra: dict | None = None, **cfg_extra)
     logging.basicConfig(level=logging.INFO)
     from eagle3_pipeline.training import train
     if __name__ == "__main__":
-        train([{str(work.parent / "shard-00000.safetensors")!r}], {str(work.parent / "vocab")!r}, {str(target)!r},
-              {str(work / "drafter")!r}, {str(work / "train" / "metrics.jsonl")!r}, {cfg!r}, seed=0, max_seq_len=256)
+        s = train([{str(work.parent / "shard-00000.safetensors")!r}], {str(work.parent / "vocab")!r}, {str(target)!r},
+                  {str(work / "drafter")!r}, {str(work / "train" / "metrics.jsonl")!r}, {cfg!r}, seed=0, max_seq_len=256)
+        import json; print("SUMMARY", json.dumps(s))
     """
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], env={**os.environ, **(env_extra or {})}, capture_output=True, text=True
@@ -49,6 +50,9 @@ def test_killed_training_resumes_to_the_same_weights(tmp_path, target_dir):
     r = _train(killed, target_dir, loader_workers=2)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming training from its checkpoint at step 3/" in r.stderr
+    summary = json.loads(r.stdout.split("SUMMARY ", 1)[1])
+    # the killed attempt's seconds up to its checkpoint count in the total, not in this attempt's
+    assert summary["resumed_from_step"] == 3 and summary["total_seconds"] > summary["seconds"] > 0
     a, b = load_file(str(ref / "drafter" / "model.safetensors")), load_file(str(killed / "drafter" / "model.safetensors"))
     assert a.keys() == b.keys()
     for k in a:

@@ -116,7 +116,7 @@ def sweep_row(name: str, setting: dict, acceptance: dict, train_summary: dict, c
         ``{"variant", "changes", "tau", "per_position", "num_speculative_tokens",
         "draft_vocab_size", "coverage", "ttt_steps", "epochs", "train_samples",
         "tokens_seen", "train_seconds", "val_full_acc"}``; seconds are wall-clock seconds of
-        training (``None`` where the drafter is shared).
+        training, over every attempt of a resumed one (``None`` where the drafter is shared).
     """
     val = train_summary.get("final_val") or {}
     k = len(acceptance["per_position_acceptance_rate"])
@@ -132,7 +132,8 @@ def sweep_row(name: str, setting: dict, acceptance: dict, train_summary: dict, c
         "epochs": train_summary.get("epochs"),
         "train_samples": train_summary.get("train_samples"),
         "tokens_seen": train_summary.get("tokens_seen"),
-        "train_seconds": None if shared else train_summary.get("seconds"),
+        # every attempt of a resumed training, up to its checkpoints (older summaries: this attempt)
+        "train_seconds": None if shared else train_summary.get("total_seconds", train_summary.get("seconds")),
         "val_full_acc": [val.get(f"full_acc_{i}") for i in range(k)],
     }
 

@@ -546,6 +546,8 @@ def train(
             tokens_seen,
         )
     tokens_at_start = tokens_seen
+    # training seconds of earlier attempts, up to their last checkpoint (work after it was redone)
+    seconds_before = float(state.get("seconds_done", 0.0)) if state is not None else 0.0
     timer = Timer()
     # Steady-state rate: from the end of the first 10% of this run's steps (compilation of
     # the attention kernels and first allocations happen there) to the end.
@@ -574,6 +576,7 @@ def train(
                     "epoch": epoch,
                     "batch": batch,
                     "metrics": lines,
+                    "seconds_done": seconds_before + timer.seconds,
                 }
             )
         _barrier(ctx)
@@ -680,6 +683,7 @@ def train(
         "val_samples": len(val_items),
         "tokens_seen": tokens_seen,
         "seconds": round(train_seconds, 3),
+        "total_seconds": round(seconds_before + train_seconds, 3),
         "tokens_per_second": (tokens_seen - tokens_at_start) / train_seconds if train_seconds else 0.0,
         "warmup_seconds": round(warm_mark[0], 3) if warm_mark else None,
         "steady_tokens_per_second": (tokens_seen - warm_mark[1]) / (train_seconds - warm_mark[0])
