@@ -215,6 +215,12 @@ def get_num_speculative_tokens(cfg=None):
     return k if k is not None else cfg["training"]["ttt_steps"]
 
 
+def eval_vllm_params(cfg=None):
+    """The evaluation engine's vllm settings: the run's (or ``cfg``'s), with evaluation.enforce_eager if set."""
+    eager = (cfg or config)["evaluation"]["enforce_eager"]
+    return VLLM_PARAMS | ({} if eager is None else {"enforce_eager": eager})
+
+
 def get_variant_vocab(wildcards):
     """A variant's d2t/t2d/coverage: the run's own unless its vocab settings differ."""
     v = wildcards.variant

@@ -22,7 +22,7 @@ rule evaluate_drafter:
         evaluation=config["evaluation"],
         num_speculative_tokens=get_num_speculative_tokens(),
         generation=config["generation"],
-        vllm=VLLM_PARAMS,
+        vllm=eval_vllm_params(),
         seed=config["seed"],
         max_seq_len=config["max_seq_len"],
     script:

@@ -186,3 +186,22 @@ def test_one_gpu_example_runs_every_stage_on_the_one_gpu(tmp_path):
         assert "gpu=1" in job and "full_model=1" in job, job
     (train,) = [b for b in blocks if "rule train_drafter:" in b]
     assert "gpu=1" in train and "full_model=1" not in train, train  # training shares no lock without sweep variants
+
+
+def test_evaluation_enforce_eager_sets_only_the_evaluation_engine(tmp_path):
+    from snakemake.api import SnakemakeApi
+    from snakemake.settings.types import ConfigSettings, OutputSettings, ResourceSettings
+
+    over = tmp_path / "eager.yaml"
+    over.write_text("vllm: {enforce_eager: false}\nextraction: {backend: vllm}\nevaluation: {enforce_eager: true}\n")
+    with SnakemakeApi(OutputSettings()) as api:
+        wf = api.workflow(
+            resource_settings=ResourceSettings(cores=1),
+            config_settings=ConfigSettings(configfiles=[ROOT / "config" / "config.yaml", over]),
+            snakefile=ROOT / "Snakefile",
+            workdir=tmp_path,
+        )
+        workflow = wf._workflow
+        assert workflow.get_rule("evaluate_drafter").params.vllm["enforce_eager"] is True
+        assert workflow.get_rule("generate_traces").params.vllm["enforce_eager"] is False
+        assert workflow.get_rule("extract_hidden_states").params.extraction["engine"]["enforce_eager"] is False
