@@ -167,14 +167,16 @@ def test_full_model_jobs_are_not_serialized_by_the_workflow_on_slurm(slurm_run):
 
 
 def _json_without_run_specifics(path: Path, wd: Path):
-    """JSON with wall-clock and memory figures dropped and the run directory replaced by <wd>."""
+    """JSON with wall-clock and memory figures dropped, the run directory replaced by <wd> and start plans' times by <time>."""
 
     def norm(x):
         if isinstance(x, dict):
             return {k: norm(v) for k, v in x.items() if not re.search(r"seconds|per_second|over_estimate|peak_", k)}
         if isinstance(x, list):
             return [norm(v) for v in x]
-        return x.replace(str(wd), "<wd>") if isinstance(x, str) else x
+        if isinstance(x, str):  # the run directory, and the start plan's name (its UTC start time)
+            return re.sub(r"start-\d{8}T\d{6}\.\d+Z\.json", "start-<time>.json", x.replace(str(wd), "<wd>"))
+        return x
 
     if path.suffix == ".jsonl":
         return [norm(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
