@@ -221,11 +221,15 @@ def eval_vllm_params(cfg=None):
     return VLLM_PARAMS | ({} if eager is None else {"enforce_eager": eager})
 
 
+def variant_vocab_dir(variant):
+    """The folder of a variant's draft vocab: the run's own unless its vocab settings differ."""
+    own = shares_vocab(config, VARIANTS[variant])
+    return f"results/{RUN}/vocab" if own else f"results/{RUN}/sweep/{variant}/vocab"
+
+
 def get_variant_vocab(wildcards):
-    """A variant's d2t/t2d/coverage: the run's own unless its vocab settings differ."""
-    v = wildcards.variant
-    own = shares_vocab(config, VARIANTS[v])
-    base = f"results/{RUN}/vocab" if own else f"results/{RUN}/sweep/{v}/vocab"
+    """A variant's d2t and t2d (training's inputs)."""
+    base = variant_vocab_dir(wildcards.variant)
     return {k: f"{base}/{k}.npy" for k in ("d2t", "t2d")}
 
 
@@ -251,16 +255,16 @@ def get_sweep_rows():
         }
     ]
     for v, cfg in VARIANTS.items():
-        wc = SimpleNamespace(variant=v)
-        vocab = get_variant_vocab(wc)["d2t"].rsplit("/", 1)[0]
         rows.append(
             {
                 "name": v,
                 "changes": changes(config, cfg),
                 "shared": shares_drafter(config, cfg),
                 "acceptance": f"results/{RUN}/sweep/{v}/eval/acceptance.json",
-                "train_summary": get_variant_drafter(wc)["train_summary"],
-                "coverage": f"{vocab}/coverage.json",
+                "train_summary": get_variant_drafter(SimpleNamespace(variant=v))[
+                    "train_summary"
+                ],
+                "coverage": f"{variant_vocab_dir(v)}/coverage.json",
             }
         )
     return rows
