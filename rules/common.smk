@@ -13,6 +13,7 @@ from eagle3_pipeline.io import InputError
 from eagle3_pipeline.prompts import sources_digest
 from eagle3_pipeline.sweep import (
     changes,
+    result_settings,
     shares_drafter,
     shares_vocab,
     variant_configs,
@@ -83,9 +84,8 @@ if _X["backend"] == "vllm":
 
 
 def training_params(cfg):
-    """A config's training settings as params: loader processes change when batches are read,
-    not which, so changing them must not rerun training."""
-    return {k: v for k, v in cfg["training"].items() if k != "loader_workers"}
+    """A config's training settings as params, without those that change no result (loader processes)."""
+    return result_settings(cfg, "training")
 
 
 TRAINING_PARAMS = training_params(config)

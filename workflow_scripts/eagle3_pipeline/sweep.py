@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import re
-from pathlib import Path
 
 from .config import ConfigError, validate_config
 
@@ -70,13 +69,16 @@ def variant_configs(cfg: dict) -> dict[str, dict]:
             merged = validate_config(_merge({**cfg, "sweep": {}}, over))
         except ConfigError as e:
             raise ConfigError(f"sweep.variants.{name}: {e}") from None
-        if all(_section(merged, s) == _section(cfg, s) for s in VARIANT_SECTIONS):
+        if all(result_settings(merged, s) == result_settings(cfg, s) for s in VARIANT_SECTIONS):
             raise ConfigError(f"sweep.variants.{name}: changes nothing from the run's own settings")
         out[name] = merged
     return out
 
 
-def _section(cfg: dict, section: str) -> dict:
+def result_settings(cfg: dict, section: str) -> dict:
+    """A config section without the settings that do not change what a job writes
+    (:data:`NOT_RESULT_KEYS`: training.loader_workers changes when batches are read, not which);
+    the training rules' params are this, so changing those settings reruns nothing."""
     return {k: v for k, v in cfg[section].items() if (section, k) not in NOT_RESULT_KEYS}
 
 
@@ -87,7 +89,7 @@ def shares_vocab(run_cfg: dict, variant_cfg: dict) -> bool:
 
 def shares_drafter(run_cfg: dict, variant_cfg: dict) -> bool:
     """Whether a variant's drafter is the run's own: same vocab and training settings (it differs in evaluation only)."""
-    return shares_vocab(run_cfg, variant_cfg) and _section(run_cfg, "training") == _section(variant_cfg, "training")
+    return shares_vocab(run_cfg, variant_cfg) and result_settings(run_cfg, "training") == result_settings(variant_cfg, "training")
 
 
 def changes(run_cfg: dict, variant_cfg: dict) -> dict[str, object]:
@@ -158,8 +160,3 @@ def format_table(rows: list[dict]) -> str:
             f"{num(r['train_seconds'], '.0f')} | {' / '.join(num(a, '.2f') for a in r['val_full_acc'])} |"
         )
     return "\n".join(lines) + "\n"
-
-
-def variant_dir(run: str, name: str) -> Path:
-    """``results/<run>/sweep/<name>``: where a variant's vocab, drafter and evaluation go."""
-    return Path("results", run, "sweep", name)
