@@ -269,8 +269,12 @@ def test_shared_prefixes_and_long_sequences_match_batch_size_one(target_dir, tok
     for a, b in zip(one, many, strict=True):
         scale = a.abs().amax(dim=(0, 2), keepdim=True)
         assert ((a - b).abs() <= 0.02 * scale).all()
-    # the shared prefix has the same states in both samples (causal attention)
-    assert torch.equal(one[0][: len(seqs[0])], one[1][: len(seqs[0])])
+    # the shared prefix has the same states in both samples (causal attention): equal up to
+    # bf16 rounding, not bit for bit, since CPU GEMM kernels may block another sequence length
+    # differently (AMD EPYC: each token's state within 3.4% of its norm; a changed earlier
+    # token moves later states by up to 110%)
+    prefix, longer = one[0], one[1][: len(seqs[0])]
+    assert ((prefix - longer).norm(dim=-1) <= 0.05 * prefix.norm(dim=-1)).all()
 
 
 # ---------------------------------------------------------------- 8. layer-id convention end to end
