@@ -98,6 +98,12 @@ except ConfigError as e:
 # full-model lock too, so no training holds the GPU that an evaluation's engine needs (the
 # GPU-free check before each full-model job would stop the evaluation).
 TRAIN_FULL_MODEL = 1 if VARIANTS else 0
+# Job order when several are ready: the run's own drafter is trained and evaluated before any
+# variant's, and a variant's evaluation runs as soon as its drafter exists, before the next
+# variant's training, so a sweep cut short leaves finished rows rather than untested drafters.
+RUN_PRIORITY = 2
+VARIANT_EVAL_PRIORITY = 1
+VARIANT_TRAIN_PRIORITY = 0
 THREADS = config["resources"]["threads"]
 
 

@@ -11,6 +11,7 @@ rule evaluate_drafter:
         f"logs/{RUN}/evaluate_drafter.log",
     benchmark:
         f"benchmarks/{RUN}/evaluate_drafter.tsv"
+    priority: RUN_PRIORITY
     conda:
         "../envs/cpu.yaml"
     threads: THREADS

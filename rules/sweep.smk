@@ -31,6 +31,7 @@ use rule train_drafter as train_drafter_variant with:
         f"logs/{RUN}/sweep/{{variant}}/train_drafter.log",
     benchmark:
         f"benchmarks/{RUN}/sweep/{{variant}}/train_drafter.tsv"
+    priority: VARIANT_TRAIN_PRIORITY
     params:
         trust_remote_code=config["target"]["trust_remote_code"],
         training=lambda w: training_params(VARIANTS[w.variant]),
@@ -52,6 +53,7 @@ use rule evaluate_drafter as evaluate_drafter_variant with:
         f"logs/{RUN}/sweep/{{variant}}/evaluate_drafter.log",
     benchmark:
         f"benchmarks/{RUN}/sweep/{{variant}}/evaluate_drafter.tsv"
+    priority: VARIANT_EVAL_PRIORITY
     params:
         trust_remote_code=config["target"]["trust_remote_code"],
         evaluation=lambda w: VARIANTS[w.variant]["evaluation"],

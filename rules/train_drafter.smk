@@ -12,6 +12,7 @@ rule train_drafter:
         f"logs/{RUN}/train_drafter.log",
     benchmark:
         f"benchmarks/{RUN}/train_drafter.tsv"
+    priority: RUN_PRIORITY
     conda:
         "../envs/cpu.yaml"
     threads: THREADS

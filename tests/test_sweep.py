@@ -135,6 +135,10 @@ def test_a_sweep_on_a_finished_run_trains_and_evaluates_only_the_variants(e2e_ru
     assert r.returncode == 0, r.stderr[-4000:]
     ran = set(re.findall(r"^(?:local)?rule (\w+):", r.stderr, flags=re.M))
     assert ran == {"evaluate_drafter_variant", "train_drafter_variant", "sweep_table", "write_manifest", "all"}, ran
+    # job priorities: k1's evaluation (its drafter exists) goes before ttt1's training, and ttt1's
+    # evaluation follows its training before anything else starts
+    started = re.findall(r"^(?:local)?rule (\w+_variant):\n(?:\s+.*\n)*?\s+wildcards: variant=(\w+)", r.stderr, flags=re.M)
+    assert started == [("evaluate_drafter_variant", "k1"), ("train_drafter_variant", "ttt1"), ("evaluate_drafter_variant", "ttt1")], started
     assert {p: p.stat().st_mtime_ns for p in res.glob("traces/*.jsonl")} == traces_before
 
     rows = {r["variant"]: r for r in json.loads((res / "sweep.json").read_text())["rows"]}
