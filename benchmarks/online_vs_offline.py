@@ -8,13 +8,21 @@ the prompt sets (acceptance on the validation prompts near it). It evaluates the
 in vLLM on ``--prompts`` validation prompts with the run's settings, prints τ and acceptance
 per position beside the offline accuracy and the run's own evaluation, and writes ``--out``.
 
+``--variant NAME`` takes a sweep variant's drafter (``results/<run>/sweep/NAME/``) instead of
+the run's. ``--num-speculative-tokens`` and ``--max-tokens`` change k and the answer length
+of this measurement only. Offline accuracy is token-weighted over whole responses (up to
+``generation.max_tokens``), while vLLM's per-position rates are per draft step and cover the
+first ``evaluation.max_tokens`` tokens: k = 1 with the generation's length is the closest
+online counterpart of offline ``full_acc_0``.
+
     python benchmarks/online_vs_offline.py --configfile config/config.yaml --prompts 40 \\
         --out benchmarks/results/online_vs_offline_cpu.json
-    (GPU: --configfile config/examples/smollm2-h200.yaml --prompts 200)
+    (GPU: --configfile config/examples/smollm2-h200.yaml --prompts 200 [--variant quarter])
 """
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -50,8 +58,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configfile", default=str(ROOT / "config" / "config.yaml"))
     ap.add_argument("--prompts", type=int, default=40, help="validation prompts to evaluate")
+    ap.add_argument("--variant", help="a sweep variant of the run: evaluate its drafter instead of the run's")
+    ap.add_argument("--num-speculative-tokens", type=int, help="k for this measurement (default: the evaluation's)")
+    ap.add_argument("--max-tokens", type=int, help="answer length for this measurement (default: evaluation.max_tokens)")
     ap.add_argument("--out")
     args = ap.parse_args()
+    # vLLM would fork its engine after CUDA was initialised here (on an H200: "Cannot
+    # re-initialize CUDA in forked subprocess"); the script is import-safe for spawn
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     base = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
     cfg = validate_config(base | yaml.safe_load(Path(args.configfile).read_text()))
     run = ROOT / "results" / cfg["run"]
@@ -60,31 +74,38 @@ def main() -> None:
         if cfg["target"]["path"].startswith("builtin:")
         else cfg["target"]["path"]
     )
-    own = read_json(run / "eval" / "acceptance.json")
-    k = own["num_speculative_tokens"]
+    own_dir = run / "sweep" / args.variant if args.variant else run
+    own = read_json(own_dir / "eval" / "acceptance.json")
+    drafter = Path(own["drafter"]) if args.variant else run / "drafter"  # a variant may use the run's drafter
+    k = args.num_speculative_tokens or own["num_speculative_tokens"]
+    eval_cfg = cfg["evaluation"] | {"num_speculative_tokens": k, "max_tokens": args.max_tokens or cfg["evaluation"]["max_tokens"]}
     questions = validation_questions(run, cfg["training"]["val_fraction"], args.prompts)
-    spec = {"method": "eagle3", "model": str((run / "drafter").resolve()), "num_speculative_tokens": k}
+    spec = {"method": "eagle3", "model": str(drafter.resolve()), "num_speculative_tokens": k}
     t0 = time.perf_counter()
     llm = build_llm(target, cfg["vllm"], seed=cfg["seed"], max_model_len=cfg["max_seq_len"], speculative_config=spec)
     report, _ = run_eval(
         llm,
         load_tokenizer(target),
         questions,
-        cfg["evaluation"] | {"num_speculative_tokens": k},
+        eval_cfg,
         cfg["generation"]["chat_template_kwargs"],
     )
     shutdown_llm(llm)
     offline = own.get("offline_validation", {})
     result = {
         "run": cfg["run"],
+        "variant": args.variant,
+        "drafter": str(drafter),
         "num_speculative_tokens": k,
+        "max_tokens": eval_cfg["max_tokens"],
         "validation_prompts": {
             "n": len(questions),
             "tau": report["acceptance_length"],
             "per_position": report["per_position_acceptance_rate"],
         },
-        "evaluation_prompts": {
+        "evaluation_prompts": {  # the evaluate_drafter job's own measurement (its k and max_tokens)
             "n": own["num_prompts"],
+            "num_speculative_tokens": own["num_speculative_tokens"],
             "tau": own["acceptance_length"],
             "per_position": own["per_position_acceptance_rate"],
         },
