@@ -60,6 +60,13 @@ def test_fresh_run_is_planned_from_the_reference_figures(tmp_path):
     assert not any(p.done for p in plan.values())
 
 
+def test_every_sharegpt_prompt_is_planned_by_the_turns_setting(tmp_path):
+    for turns, prompts in (("first", 17_000), ("each", 56_000)):
+        cfg = validate_config({"prompts": {"max_prompts": None, "turns": turns}, "generation": {"max_tokens": 100}})
+        gen = _by_stage(make_plan(cfg, BUILTIN_SHAPE, tmp_path, "cpu"))["generate_traces"]
+        assert gen.tokens == int(prompts * COMPLETION_FILL * 100) and gen.work["prompts"] == prompts
+
+
 def test_fp8_storage_halves_the_planned_disk_plus_scales(tmp_path):
     cfg = validate_config({"prompts": {"max_prompts": 10}, "extraction": {"storage_dtype": "float8_e4m3fn"}})
     ext = _by_stage(make_plan(cfg, BUILTIN_SHAPE, tmp_path, "cpu"))["extract_hidden_states"]

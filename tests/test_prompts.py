@@ -7,6 +7,7 @@ from eagle3_pipeline.prompts import (
     Decontaminator,
     build_prompt_set,
     canonical_messages,
+    conversation_prompts,
     iter_json_array,
     load_eval_questions,
     prompt_id,
@@ -31,6 +32,59 @@ def test_sharegpt_first_and_multi_turn():
         {"role": "assistant", "content": "Hello!"},
         {"role": "user", "content": "Tell me a joke"},
     ]
+
+
+def test_each_user_turn_is_a_prompt_with_the_conversation_before_it():
+    got = conversation_prompts(SHAREGPT, "each")
+    assert got == [
+        ("#turn1", [{"role": "user", "content": "Hi there"}]),
+        (
+            "#turn2",
+            [
+                {"role": "user", "content": "Hi there"},
+                {"role": "assistant", "content": "Hello!"},
+                {"role": "user", "content": "Tell me a joke"},
+            ],
+        ),
+    ]  # the trailing answer ("No.") is the one regenerated for turn 2, not history
+    assert conversation_prompts(SHAREGPT, "first") == [("", canonical_messages(SHAREGPT, "first"))]
+    system = {
+        "messages": [
+            {"role": "system", "content": "Be terse."},
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"},
+        ]
+    }
+    assert [m[0]["role"] for _, m in conversation_prompts(system, "each")] == ["system", "system"]  # the system turn heads each
+    with pytest.raises(ValueError, match="empty_content"):  # one bad turn rejects the conversation
+        conversation_prompts(
+            {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": " "}, {"role": "user", "content": "c"}]},
+            "each",
+        )
+
+
+def test_build_prompt_set_with_each_turn_dedups_and_decontaminates_per_prompt(tmp_path):
+    p = tmp_path / "p.jsonl"
+    convs = [
+        [("human", "What is a monad?"), ("gpt", "A monoid."), ("human", "Give an example."), ("gpt", "Maybe.")],
+        [
+            ("human", "What is a monad?"),
+            ("gpt", "Ask later."),
+            (
+                "human",
+                "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences and must-see attractions.",
+            ),
+        ],
+    ]
+    p.write_text("".join(json.dumps({"conversations": [{"from": f, "value": v} for f, v in c]}) + "\n" for c in convs))
+    decon = Decontaminator([("mtbench:81", convs[1][2][1])])
+    ps = build_prompt_set([{"type": "file", "path": str(p)}], turns="each", decontaminator=decon)
+    got = sorted((r["source"].split(":")[-1], [m["content"] for m in r["messages"]]) for r in ps.records)
+    assert got == [("1#turn1", ["What is a monad?"]), ("1#turn2", ["What is a monad?", "A monoid.", "Give an example."])]
+    assert {(r.source.split(":")[-1], r.reason) for r in ps.rejects} == {("2#turn1", "duplicate"), ("2#turn2", "contaminated")}
+    assert "same prompt as" in next(r.detail for r in ps.rejects if r.reason == "duplicate")
+    assert ps.summary()["read"] == 2 and len({r["id"] for r in ps.records}) == 2
 
 
 def test_openai_with_system_prompt():

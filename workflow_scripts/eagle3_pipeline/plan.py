@@ -217,7 +217,9 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
     prompts_summary = prompts_summary if isinstance(kept, int) else None
     n_prompts = kept if prompts_summary else cfg["prompts"]["max_prompts"]
     src_prompts = "prompts/summary.json" if prompts_summary else "prompts.max_prompts"
-    if n_prompts is None:
+    if n_prompts is None and cfg["prompts"]["turns"] == "each":
+        n_prompts, src_prompts = 56_000, "every ShareGPT user turn (~56K usable; set prompts.max_prompts for a sharper plan)"
+    elif n_prompts is None:
         n_prompts, src_prompts = 17_000, "all ShareGPT first turns (~17K usable; set prompts.max_prompts for a sharper plan)"
     if traces:
         ok = sum(t["ok"] for t in traces)

@@ -304,6 +304,24 @@ def canonical_messages(raw: object, turns: str = "first") -> list[dict]:
     return messages
 
 
+def conversation_prompts(raw: object, turns: str = "first") -> list[tuple[str, list[dict]]]:
+    """The prompts one source conversation gives: ``[(suffix, messages), ...]``.
+
+    ``"first"`` and ``"multi"`` give one prompt (:func:`canonical_messages`, suffix ``""``).
+    ``"each"`` gives one prompt per user turn: the conversation up to and including that
+    turn, earlier answers kept as history as the source wrote them (only the answer to the
+    last turn is regenerated and supervised), suffixed ``#turn<n>`` (1-based).
+
+    Raises:
+        ValueError: as :func:`canonical_messages` (one reason for the whole conversation).
+    """
+    if turns != "each":
+        return [("", canonical_messages(raw, turns))]
+    messages = canonical_messages(raw, "multi")
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    return [(f"#turn{n}", messages[: i + 1]) for n, i in enumerate(users, start=1)]
+
+
 def prompt_id(messages: list[dict]) -> str:
     """Stable id of a prompt: first 16 hex digits of SHA-256 of its canonical JSON."""
     return sha256_json(messages)[:16]
@@ -406,10 +424,11 @@ def build_prompt_set(
 ) -> PromptSet:
     """Read all sources into canonical, deduplicated, decontaminated prompt records.
 
-    Records are ordered by id (a content hash, so effectively a fixed pseudo-random
-    order) and the first ``max_prompts`` are kept; the rest are rejected with reason
-    ``over_max_prompts``. Duplicates (same id) keep the first occurrence in source
-    order.
+    Each source record gives one prompt, or one per user turn with ``turns="each"``
+    (:func:`conversation_prompts`). Records are ordered by id (a content hash, so
+    effectively a fixed pseudo-random order) and the first ``max_prompts`` are kept; the
+    rest are rejected with reason ``over_max_prompts``. Duplicates (same id) keep the
+    first occurrence in source order.
 
     Raises:
         InputError: a source file is missing, or nothing usable remains (the message
@@ -422,22 +441,24 @@ def build_prompt_set(
         for label, raw in _load_source_records(source):
             ps.read += 1
             try:
-                messages = canonical_messages(raw, turns)
+                prompts = conversation_prompts(raw, turns)
             except ValueError as e:
                 reason, _, detail = str(e).partition(": ")
                 ps.rejects.append(Reject(label, reason, detail))
                 continue
-            pid = prompt_id(messages)
-            if pid in seen:
-                ps.rejects.append(Reject(label, "duplicate", f"same prompt as {seen[pid]} (id {pid})"))
-                continue
-            if decontaminator is not None:
-                hit = next((h for m in messages if m["role"] == "user" for h in [decontaminator.match(m["content"])] if h), None)
-                if hit:
-                    ps.rejects.append(Reject(label, "contaminated", f"overlaps evaluation prompt {hit}"))
+            for suffix, messages in prompts:
+                where = label + suffix
+                pid = prompt_id(messages)
+                if pid in seen:
+                    ps.rejects.append(Reject(where, "duplicate", f"same prompt as {seen[pid]} (id {pid})"))
                     continue
-            seen[pid] = label
-            kept.append({"id": pid, "messages": messages, "source": label})
+                if decontaminator is not None:
+                    hit = next((h for m in messages if m["role"] == "user" for h in [decontaminator.match(m["content"])] if h), None)
+                    if hit:
+                        ps.rejects.append(Reject(where, "contaminated", f"overlaps evaluation prompt {hit}"))
+                        continue
+                seen[pid] = where
+                kept.append({"id": pid, "messages": messages, "source": where})
     kept.sort(key=lambda r: r["id"])
     if max_prompts is not None and len(kept) > max_prompts:
         for r in kept[max_prompts:]:
