@@ -43,19 +43,25 @@ def check_against_target(config: dict, num_hidden_layers: int, vocab_size: int) 
     """Check the settings that depend on the target's shape, before any job runs.
 
     Raises:
-        ConfigError: ``vocab.draft_vocab_size`` exceeds the target vocabulary, or
-            ``extraction.aux_layer_ids`` are out of range for the target's layers.
+        ConfigError: ``vocab.draft_vocab_size`` exceeds the target vocabulary,
+            ``extraction.aux_layer_ids`` are out of range for the target's layers or not
+            ascending, or ``training.aux_layer_ids`` are not among them.
     """
-    from .conventions import resolve_layer_ids
+    from .conventions import drafter_aux_columns, resolve_layer_ids
 
     problems = []
     n = config["vocab"]["draft_vocab_size"]
     if n > vocab_size:
         problems.append(f"  vocab.draft_vocab_size: {n} is larger than the target vocabulary ({vocab_size} tokens)")
     try:
-        resolve_layer_ids(config["extraction"]["aux_layer_ids"], num_hidden_layers)
+        stored, _ = resolve_layer_ids(config["extraction"]["aux_layer_ids"], num_hidden_layers)
     except ValueError as e:
         problems.append(f"  extraction.aux_layer_ids: {e}")
+    else:
+        try:
+            drafter_aux_columns(config["training"]["aux_layer_ids"], stored)
+        except ValueError as e:
+            problems.append(f"  training.aux_layer_ids: {e}")
     if problems:
         raise ConfigError("invalid configuration for this target:\n" + "\n".join(problems))
 

@@ -52,8 +52,11 @@ def resolve_layer_ids(aux_layer_ids: Sequence[int] | None, num_hidden_layers: in
         num_hidden_layers: ``n`` of the target.
 
     Raises:
-        ValueError: an id is outside ``[0, n]``, ids repeat, or ``n`` is itself listed
-            as an aux id (it is always captured as the final layer).
+        ValueError: an id is outside ``[0, n]``, ids repeat or are not ascending (vLLM
+            collects the aux states in layer order, ``LlamaModel.forward``, and concatenates
+            them so: another order would train the drafter on other columns than it is
+            served), or ``n`` is itself listed as an aux id (it is always captured as the
+            final layer).
     """
     n = int(num_hidden_layers)
     aux = default_aux_layer_ids(n) if aux_layer_ids is None else [int(i) for i in aux_layer_ids]
@@ -66,7 +69,34 @@ def resolve_layer_ids(aux_layer_ids: Sequence[int] | None, num_hidden_layers: in
         )
     if len(set(aux)) != len(aux):
         raise ValueError(f"aux layer ids repeat: {aux}")
+    if aux != sorted(aux):
+        raise ValueError(f"aux layer ids must be ascending (vLLM concatenates the states in layer order): write {sorted(aux)}")
     return aux, aux + [n]
+
+
+def drafter_aux_columns(drafter_aux_ids: Sequence[int] | None, stored_aux_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The aux layers a drafter trains on, and their columns among a shard's stored aux layers.
+
+    Args:
+        drafter_aux_ids: ``training.aux_layer_ids``, or ``None`` for every stored aux layer.
+        stored_aux_ids: the shard's ``aux_layer_ids`` (extraction order, ascending).
+
+    Returns:
+        ``(aux_ids, columns)``: the drafter's ids (ascending) and their indices into the
+        stored aux layers.
+
+    Raises:
+        ValueError: an id is not stored (extract it: add it to ``extraction.aux_layer_ids``),
+            or the ids repeat or are not ascending.
+    """
+    stored = [int(i) for i in stored_aux_ids]
+    aux = stored if drafter_aux_ids is None else [int(i) for i in drafter_aux_ids]
+    missing = [i for i in aux if i not in stored]
+    if missing:
+        raise ValueError(f"aux layer ids {missing} are not in the hidden states, which hold {stored}: add them to extraction.aux_layer_ids")
+    if len(set(aux)) != len(aux) or aux != sorted(aux) or not aux:
+        raise ValueError(f"aux layer ids must be distinct and ascending (vLLM concatenates the states in layer order), got {aux}")
+    return aux, [stored.index(i) for i in aux]
 
 
 def loss_mask(num_prompt_tokens: int, num_completion_tokens: int) -> np.ndarray:

@@ -342,7 +342,8 @@ def _identity(run: Path, config: dict, target_id: dict, artifacts: dict, externa
     checks.append(
         _check(
             "drafter_layer_ids",
-            len(aux_ids) == 1 and aux_ids[0] == drafter_aux,
+            # the drafter uses the stored aux layers or a subset of them (training.aux_layer_ids)
+            len(aux_ids) == 1 and bool(drafter_aux) and set(drafter_aux) <= set(aux_ids[0]),
             f"shards' aux layer ids {aux_ids}, the drafter's eagle_aux_hidden_state_layer_ids {drafter_aux}",
         )
     )

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from .conventions import drafter_aux_columns
 from .hidden_states import ShardReader
 from .io import InputError, atomic_dir, sha256_file, sha256_json, write_text_atomic
 from .runtime import Timer, progress
@@ -42,15 +43,24 @@ class ShardDataset(_base_dataset()):  # type: ignore[misc]
     """speculators training samples read from hidden-state shards.
 
     Each item is speculators' unshifted sample dict: ``hidden_states``
-    ``[T, A*H]`` (aux layers concatenated in ``aux_layer_ids`` order),
+    ``[T, A*H]`` (the drafter's aux layers, ``aux_columns`` of the stored ones or all,
+    concatenated in ascending layer order),
     ``verifier_last_hidden_states`` ``[T, H]`` (final layer, pre-norm), ``input_ids``
     int64 ``[T]``, ``loss_mask`` bool ``[T]`` (+ ``lengths``, ``position_ids`` added by
     ``BaseDataset``).
     """
 
-    def __init__(self, readers: list[ShardReader], items: list[tuple[int, int]], max_len: int, hidden_states_dtype: torch.dtype):
+    def __init__(
+        self,
+        readers: list[ShardReader],
+        items: list[tuple[int, int]],
+        max_len: int,
+        hidden_states_dtype: torch.dtype,
+        aux_columns: list[int] | None = None,
+    ):
         self.readers = readers
         self.items = items
+        self.aux_columns = aux_columns  # which stored aux layers the drafter uses (None: all)
         super().__init__(max_len=max_len, hidden_states_dtype=hidden_states_dtype)
 
     def __len__(self) -> int:
@@ -63,10 +73,11 @@ class ShardDataset(_base_dataset()):  # type: ignore[misc]
     def _get_raw_data(self, index: int) -> dict:
         s, i = self.items[index]
         smp = self.readers[s].sample(i)
-        hs = smp["hidden_states"]  # [T, L, H]
+        hs = smp["hidden_states"]  # [T, L, H]: the stored aux layers, then the final layer
         t, n_layers, h = hs.shape
+        aux = hs[:, : n_layers - 1] if self.aux_columns is None else hs[:, self.aux_columns]
         return {
-            "hidden_states": hs[:, : n_layers - 1].reshape(t, (n_layers - 1) * h).to(self.hidden_states_dtype),
+            "hidden_states": aux.reshape(t, aux.shape[1] * h).to(self.hidden_states_dtype),
             "verifier_last_hidden_states": hs[:, n_layers - 1].to(self.hidden_states_dtype),
             "input_ids": smp["input_ids"].long(),
             "loss_mask": smp["loss_mask"].bool(),
@@ -220,7 +231,7 @@ def build_drafter(
         if list(config.eagle_aux_hidden_state_layer_ids or []) != list(aux_layer_ids):
             raise InputError(
                 f"training.init_from={cfg['init_from']} uses aux layer ids {config.eagle_aux_hidden_state_layer_ids}, "
-                f"the hidden states have {list(aux_layer_ids)}; set extraction.aux_layer_ids to match"
+                f"the drafter to train uses {list(aux_layer_ids)}; set training.aux_layer_ids (or extraction.aux_layer_ids) to match"
             )
         if config.draft_vocab_size != d2t.shape[0]:
             raise InputError(f"training.init_from={cfg['init_from']} has draft vocab {config.draft_vocab_size}, this run {d2t.shape[0]}")
@@ -435,7 +446,8 @@ def train(
         a summary dict (steps, tokens seen, tokens/s, final validation metrics).
 
     Raises:
-        InputError: shards disagree on layer ids, or a shard has no supervised tokens.
+        InputError: shards disagree on layer ids, ``cfg["aux_layer_ids"]`` are not stored
+            in them, or a shard has no supervised tokens.
     """
     from speculators.losses import resolve_loss_config
     from speculators.train.checkpointer import convert_float_dtype, patch_config_dtype
@@ -454,7 +466,10 @@ def train(
             raise InputError(f"{r.path}: layer ids {r.layer_ids} differ from {readers[0].path}: {layer_ids}; re-extract all shards")
         if not bool(r.loss_mask.any()):
             raise InputError(f"{r.path}: no supervised tokens (loss mask is all zero)")
-    aux = readers[0].aux_layer_ids
+    try:
+        aux, aux_columns = drafter_aux_columns(cfg.get("aux_layer_ids"), readers[0].aux_layer_ids)
+    except ValueError as e:
+        raise InputError(f"training.aux_layer_ids: {e} ({readers[0].path})") from None
     d2t = np.load(Path(vocab_dir) / "d2t.npy")
     t2d = np.load(Path(vocab_dir) / "t2d.npy")
 
@@ -465,8 +480,8 @@ def train(
     hidden_size = base.hidden_size
 
     train_items, val_items = split_items(readers, cfg["val_fraction"], cfg.get("max_train_samples"))
-    train_ds = ShardDataset(readers, train_items, total_seq_len, hs_dtype)
-    val_ds = ShardDataset(readers, val_items, total_seq_len, hs_dtype) if val_items else None
+    train_ds = ShardDataset(readers, train_items, total_seq_len, hs_dtype, aux_columns)
+    val_ds = ShardDataset(readers, val_items, total_seq_len, hs_dtype, aux_columns) if val_items else None
     train_loader = _loader(train_ds, total_seq_len, hidden_size, len(aux), seed)
     val_loader = _loader(val_ds, total_seq_len, hidden_size, len(aux), seed) if val_ds else None
 
