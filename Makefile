@@ -20,7 +20,7 @@ dry-run: setup
 	$(SNAKE) -n --cores $(CORES)
 
 test: setup lint $(QWEN3_TOKENIZER)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 test-fast: setup
 	$(PY) -m pytest -q tests -m "not e2e"

@@ -93,7 +93,13 @@ def test_hidden_states_and_mask_equal_an_independent_forward(run, target_dir, to
 
     _, _, res = run
     by_id = {t["id"]: t for t in traces(res)}
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.bfloat16).eval()
+    from eagle3_pipeline.precision import resolve_dtype
+
+    # the dtype extraction computed in (bf16, or float32 on a CPU without fast bf16), stored as bf16
+    dtype = getattr(torch, resolve_dtype("auto", "cpu", "test") or "bfloat16")
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype).eval()
+    pre_norm = []
+    model.model.norm.register_forward_hook(lambda mod, args, out: pre_norm.append(args[0]))
     for shard in sorted((res / "hidden_states").glob("shard-*.safetensors")):
         index = json.loads(shard.with_name(shard.name.replace(".safetensors", ".index.json")).read_text())
         assert index["layer_ids"] == [2, 15, 27, 30] and index["dtype"] == "bfloat16"
@@ -108,8 +114,10 @@ def test_hidden_states_and_mask_equal_an_independent_forward(run, target_dir, to
         with torch.no_grad():
             ref = model(input_ids=ids[a:b][None], output_hidden_states=True).hidden_states
         for j, k in enumerate([2, 15, 27]):
-            assert torch.equal(hs[a:b, j], ref[k][0]), f"layer id {k}"
-        assert torch.equal(model.model.norm(hs[a:b, 3][None])[0], ref[30][0])  # id n is pre-norm
+            assert torch.equal(hs[a:b, j], ref[k][0].to(torch.bfloat16)), f"layer id {k}"
+        # id n is the last layer's output before the final norm, not hidden_states[n] (after it)
+        assert torch.equal(hs[a:b, 3], pre_norm[-1][0].to(torch.bfloat16))
+        assert not torch.equal(hs[a:b, 3], ref[30][0].to(torch.bfloat16))
 
 
 def test_checkpoint_loads_with_speculators_and_keeps_conventions(run, target_dir):

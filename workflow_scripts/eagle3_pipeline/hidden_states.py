@@ -139,16 +139,24 @@ class LayerCapture:
             h.remove()
 
 
-def load_hf_target(model_path: str, device: str = "auto", trust_remote_code: bool = False):
-    """Load the target with transformers for prefill (sdpa attention, eval mode, stored dtype).
+def load_hf_target(model_path: str, device: str = "auto", trust_remote_code: bool = False, dtype: str = "auto"):
+    """Load the target with transformers for prefill (sdpa attention, eval mode).
 
     ``device``: ``"auto"`` spreads the model over all visible GPUs (``device_map="auto"``)
     when there are several, uses the one GPU when there is one, else the CPU; or an
-    explicit ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
+    explicit ``"cpu"``, ``"cuda"``, ``"cuda:N"``. ``dtype``: ``"auto"`` keeps the
+    checkpoint's dtype, except on a CPU without fast bf16 where it loads float32
+    (:func:`eagle3_pipeline.precision.resolve_dtype`); or a torch dtype name.
     """
     from transformers import AutoModelForCausalLM
 
-    kw: dict = {"dtype": "auto", "attn_implementation": "sdpa", "trust_remote_code": trust_remote_code}
+    from .precision import resolve_dtype
+
+    kw: dict = {
+        "dtype": resolve_dtype(dtype, device, "the hf backend's target") or "auto",
+        "attn_implementation": "sdpa",
+        "trust_remote_code": trust_remote_code,
+    }
     if device == "auto" and torch.cuda.device_count() > 1:
         return AutoModelForCausalLM.from_pretrained(model_path, device_map="auto", **kw).eval()
     if device == "auto":

@@ -307,6 +307,23 @@ def _barrier(ctx: DistContext) -> None:
         dist.barrier()
 
 
+def training_dtypes(cfg: dict, device: str) -> tuple[torch.dtype, torch.dtype | None]:
+    """``(hidden-state dtype, autocast dtype or None)`` for ``training.hidden_states_dtype``
+    and ``training.autocast`` on ``device``.
+
+    ``auto`` is bf16 (speculators' recipe) on a GPU or a CPU with fast bf16, and float32 /
+    no autocast on a CPU without it (:func:`eagle3_pipeline.precision.resolve_dtype`);
+    explicit values are used as given.
+    """
+    from .precision import resolve_dtype
+
+    hs = resolve_dtype(cfg["hidden_states_dtype"], device, "training.hidden_states_dtype") or "bfloat16"
+    ac = cfg["autocast"]
+    if ac == "auto":
+        ac = "none" if resolve_dtype("auto", device, "training.autocast") == "float32" else "bfloat16"
+    return getattr(torch, hs), (torch.bfloat16 if ac == "bfloat16" else None)
+
+
 def _batch_to(batch: dict, device: str) -> dict:
     keep = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids", "verifier_last_hidden_states")
     return {k: batch[k].to(device, non_blocking=True) for k in keep}
@@ -473,8 +490,7 @@ def train(
     d2t = np.load(Path(vocab_dir) / "d2t.npy")
     t2d = np.load(Path(vocab_dir) / "t2d.npy")
 
-    hs_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg["hidden_states_dtype"]]
-    autocast = {"bfloat16": torch.bfloat16, "none": None}[cfg["autocast"]]
+    hs_dtype, autocast = training_dtypes(cfg, device)
     total_seq_len = max(cfg["pack_tokens"], max_seq_len)
     base = build_drafter(target_path, d2t, t2d, aux, {**cfg, "max_seq_len_hint": total_seq_len}, device, trust_remote_code)
     hidden_size = base.hidden_size
@@ -706,6 +722,8 @@ def train(
         else None,
         "resumed_from_step": state["step"] if state is not None else None,
         "device": device,
+        "hidden_states_dtype": str(hs_dtype).removeprefix("torch."),
+        "autocast": str(autocast).removeprefix("torch.") if autocast is not None else "none",
         "world_size": world,
         "parallelism": ctx.parallelism,
         "gradient_accumulation_steps": accum,
