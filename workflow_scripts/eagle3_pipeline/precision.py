@@ -31,8 +31,7 @@ def cpu_has_fast_bf16() -> bool:
 
     Uses oneDNN's own test (``torch.ops.mkldnn._is_mkldnn_bf16_supported``: AVX-512 core or
     AVX2-VNNI-2 on x86, the BF16 extension on Arm), the one torch consults for its bf16 CPU
-    kernels; where
-    that private op is missing, falls back to ``torch.cpu._is_avx512_supported()``.
+    kernels; where that private op is missing, falls back to ``torch.cpu._is_avx512_supported()``.
     """
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
