@@ -109,4 +109,6 @@ def test_the_layers_example_compares_stored_subsets_against_the_default():
         "mid": {"training.aux_layer_ids": [8, 15, 22]},
         "wide": {"training.aux_layer_ids": [2, 8, 15, 22, 27]},
         "late": {"training.aux_layer_ids": [15, 22, 27]},
+        "vocab8k": {"vocab.draft_vocab_size": 8192},
+        "epochs2": {"training.epochs": 2},
     }
