@@ -16,6 +16,7 @@ from eagle3_pipeline.plan import (
     BUILTIN_SHAPE,
     COMPLETION_FILL,
     PROMPT_TOKENS,
+    PROMPT_TOKENS_BY_TURNS,
     REFERENCES,
     dry_run_jobs,
     estimate_params,
@@ -61,10 +62,14 @@ def test_fresh_run_is_planned_from_the_reference_figures(tmp_path):
 
 
 def test_every_sharegpt_prompt_is_planned_by_the_turns_setting(tmp_path):
-    for turns, prompts in (("first", 17_000), ("each", 56_000)):
+    # a multi-turn prompt carries its history: 728 templated tokens per prompt with `each`, not 172
+    for turns, prompts, prompt_tokens in (("first", 17_000, 172), ("multi", 17_000, 961), ("each", 56_000, 728)):
         cfg = validate_config({"prompts": {"max_prompts": None, "turns": turns}, "generation": {"max_tokens": 100}})
-        gen = _by_stage(make_plan(cfg, BUILTIN_SHAPE, tmp_path, "cpu"))["generate_traces"]
+        plan = _by_stage(make_plan(cfg, BUILTIN_SHAPE, tmp_path, "cpu"))
+        gen, ext = plan["generate_traces"], plan["extract_hidden_states"]
         assert gen.tokens == int(prompts * COMPLETION_FILL * 100) and gen.work["prompts"] == prompts
+        assert PROMPT_TOKENS_BY_TURNS[turns] == prompt_tokens
+        assert ext.tokens == int(prompts * (prompt_tokens + COMPLETION_FILL * 100))
 
 
 def test_fp8_storage_halves_the_planned_disk_plus_scales(tmp_path):

@@ -116,8 +116,14 @@ def reference_for(platform: str, params: int) -> dict:
 
 #: Completion tokens per prompt as a fraction of ``max_tokens`` (demo run: 59,792 / 296 / 256).
 COMPLETION_FILL = 0.79
-#: Prompt tokens per ShareGPT first turn after the chat template (demo run: 50,929 / 296).
-PROMPT_TOKENS = 172
+#: Prompt tokens per ShareGPT prompt after the target's chat template, by ``prompts.turns``:
+#: ``first`` 172 (demo run: 50,929 / 296; the H200 run: 2,603,181 / 15,299 = 170), ``multi``
+#: 961 and ``each`` 728: SmolLM2's template over the built-in ShareGPT's 15,075 and 55,180
+#: prompts that leave ``generation.min_completion_tokens`` (16) of ``max_seq_len`` 2,048
+#: (session 8). A multi-turn prompt carries its history: with ``each``, 68% of the tokens
+#: that extraction stores are prompt tokens.
+PROMPT_TOKENS_BY_TURNS = {"first": 172, "multi": 961, "each": 728}
+PROMPT_TOKENS = PROMPT_TOKENS_BY_TURNS["first"]
 
 
 @dataclass
@@ -227,8 +233,11 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
         c_tok = sum(t["completion_tokens"] for t in traces) / max(ok, 1)
         n_ok, tok_src = ok, "this run's traces"
     else:
-        p_tok, c_tok = PROMPT_TOKENS, COMPLETION_FILL * cfg["generation"]["max_tokens"]
-        n_ok, tok_src = n_prompts, f"{PROMPT_TOKENS} prompt tokens + {COMPLETION_FILL:.0%} of max_tokens per prompt (demo run)"
+        p_tok, c_tok = PROMPT_TOKENS_BY_TURNS[cfg["prompts"]["turns"]], COMPLETION_FILL * cfg["generation"]["max_tokens"]
+        n_ok, tok_src = (
+            n_prompts,
+            f"{p_tok} prompt tokens ({cfg['prompts']['turns']} turns) + {COMPLETION_FILL:.0%} of max_tokens per prompt (demo run)",
+        )
     ratio = ref["params"] / max(target["params"], 1)
     # time per token ~ parameters for a big target; a smaller one gains less on a GPU (measured: the
     # hf backend on an H200 was 9.5x faster for SmolLM2 than for the 8B shape, 60x fewer parameters)
