@@ -6,8 +6,10 @@ real ShareGPT/MT-Bench prompts; the tests then check the values each stage wrote
 
 import hashlib
 import json
+import os
 import re
 import shutil
+import time
 from collections import Counter
 from datetime import datetime
 from pathlib import Path
@@ -16,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from e2e_support import SMALL, snakemake_cli
+from e2e_support import SMALL, make_workdir, snakemake_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.e2e
@@ -355,3 +357,34 @@ def test_dry_run_is_clean_and_changes_rerun_exactly_the_dependents(run):
     assert dry_run_jobs(wd, _changed(wd, "target", target={"dtype": "float32"})) == Counter(
         {"prepare_target_model": 1, "generate_traces": 2, **downstream_of_traces}
     )
+
+
+def test_traces_copied_to_a_fresh_checkout_are_reused_after_touch(run, tmp_path):
+    """README "Traces from another machine": copied prompts and traces, marked with --touch,
+    are not regenerated; the stages after them are still pending."""
+    wd, cfg, res = run
+    new = tmp_path / "moved"
+    new_cfg = make_workdir(new, yaml.safe_load(cfg.read_text()))
+    run_name = res.name
+    for part in ("prompts", "traces"):
+        shutil.copytree(res / part, new / "results" / run_name / part)
+    (new / "results" / run_name / "eval").mkdir()
+    shutil.copy2(res / "eval" / "prompts.jsonl", new / "results" / run_name / "eval" / "prompts.jsonl")
+    # the target as a fresh host has it: materialized after the traces were made
+    target = Path("resources/models/smollm2-135m-instruct")
+    shutil.copytree(wd / target, new / target)
+    now = time.time()
+    for p in (new / "results").rglob("*"):
+        os.utime(p, (now - 3600, now - 3600))
+    for p in [new / target, *(new / target).rglob("*")]:
+        os.utime(p, (now - 60, now - 60))
+    assert dry_run_jobs(new, new_cfg)["generate_traces"] == 2  # the target is newer than the traces
+    touched = sorted(str(p.relative_to(new)) for p in (new / "results" / run_name / "traces").glob("shard-*.summary.json"))
+    assert len(touched) == 2
+    snakemake_cli(new, new_cfg, "--touch", "--cores", "1", targets=(*touched, f"results/{run_name}/eval/prompts.jsonl"), check=True)
+    after = dry_run_jobs(new, new_cfg)
+    for rule in ("prepare_target_model", "prepare_prompts", "prepare_eval_prompts", "generate_traces"):
+        assert rule not in after, after
+    assert after["build_vocab_mapping"] == 1 and after["extract_hidden_states"] == 2 and after["evaluate_drafter"] == 1
+    # the copies are byte-identical to the originals: --touch changed times only
+    assert sha256(new / "results" / run_name / "traces" / "shard-00000.jsonl") == sha256(res / "traces" / "shard-00000.jsonl")
