@@ -360,9 +360,42 @@ def test_loss_is_normalised_by_supervised_tokens(target_dir):
 # ---------------------------------------------------------------- 11. sequences longer than max_seq_len
 
 
-class _NoEngine:
-    def generate(self, prompts, params, use_tqdm=False):
-        raise AssertionError("no prompt should reach the engine")
+class FakeLLM:
+    """A ``vllm.LLM`` stand-in: its engine answers each request with ``answer(prompt ids, params)``.
+
+    ``step()`` finishes up to ``per_step`` requests, last added first (so completions arrive
+    out of input order); ``events`` records ``("add", request_id)`` and ``("finish", request_id)``.
+    """
+
+    def __init__(self, answer, *, max_num_seqs: int = 4, per_step: int = 1):
+        from types import SimpleNamespace
+
+        self.answer, self.per_step, self.events, self.pending = answer, per_step, [], []
+        self.llm_engine = self
+        self.vllm_config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs))
+
+    def add_request(self, request_id, prompt, params):
+        self.events.append(("add", request_id))
+        self.pending.append((request_id, prompt["prompt_token_ids"], params))
+        return f"{request_id}-internal"
+
+    def get_num_unfinished_requests(self):
+        return len(self.pending)
+
+    def has_unfinished_requests(self):
+        return bool(self.pending)
+
+    def step(self):
+        from types import SimpleNamespace
+
+        done, self.pending = self.pending[-self.per_step :], self.pending[: -self.per_step]
+        outs = []
+        for rid, ids, params in reversed(done):
+            self.events.append(("finish", rid))
+            token_ids, text, reason = self.answer(ids, params)
+            comp = SimpleNamespace(token_ids=token_ids, text=text, finish_reason=reason)
+            outs.append(SimpleNamespace(request_id=rid, finished=True, prompt_token_ids=ids, outputs=[comp]))
+        return outs
 
 
 def test_long_prompts_are_rejected_with_counts_before_generation(tokenizer):
@@ -373,21 +406,84 @@ def test_long_prompts_are_rejected_with_counts_before_generation(tokenizer):
     recs = [{"id": "long", "source": "x", "messages": [{"role": "user", "content": "word " * 400}]}]
     ok = {"id": "ok", "source": "y", "messages": [{"role": "user", "content": "hi"}]}
 
-    class OneEngine:  # answers the one prompt that fits
-        def generate(self, prompts, params, use_tqdm=False):
-            from types import SimpleNamespace
+    def answer(ids, params):  # the one prompt that fits, with its completion room
+        assert params.max_tokens == min(gen["max_tokens"], 256 - len(ids))
+        return [28, 2], "A", "stop"
 
-            assert len(prompts) == 1 and params[0].max_tokens == min(gen["max_tokens"], 256 - len(prompts[0]["prompt_token_ids"]))
-            comp = SimpleNamespace(token_ids=[28, 2], text="A", finish_reason="stop")
-            return [SimpleNamespace(prompt_token_ids=prompts[0]["prompt_token_ids"], outputs=[comp])]
-
-    res = generate_shard(OneEngine(), tokenizer, recs + [ok], gen, max_seq_len=256, seed=0, engine={}, model={})
+    one = FakeLLM(answer)
+    res = generate_shard(one, tokenizer, recs + [ok], gen, max_seq_len=256, seed=0, engine={}, model={})
+    assert [e for e in one.events if e[0] == "add"] == [("add", "0-0")]
     assert [t["id"] for t in res.traces] == ["ok"]
     assert [(r.id, r.source, r.reason) for r in res.rejects] == [("long", "x", "prompt_too_long")]
     assert res.summary()["rejects_by_reason"] == {"prompt_too_long": 1}
     # a shard with nothing usable is an error, not an empty success
+    none = FakeLLM(lambda ids, params: pytest.fail("no prompt should reach the engine"))
     with pytest.raises(InputError, match=r"no usable traces: all 1 prompts of this shard were rejected \{'prompt_too_long': 1\}"):
-        generate_shard(_NoEngine(), tokenizer, recs, gen, max_seq_len=256, seed=0, engine={}, model={})
+        generate_shard(none, tokenizer, recs, gen, max_seq_len=256, seed=0, engine={}, model={})
+    assert none.events == []
+
+
+def test_generation_feeds_chunks_continuously_and_writes_each_in_input_order(tokenizer):
+    """The next chunk joins the batch before the earlier one ends; each chunk comes back whole, in id order."""
+    from eagle3_pipeline.config import validate_config
+    from eagle3_pipeline.generation import generate_chunks
+
+    gen = validate_config({"generation": {"max_tokens": 8}})["generation"]
+    recs = [{"id": f"p{i}", "source": "s", "messages": [{"role": "user", "content": f"question number {i}"}]} for i in range(7)]
+    recs.insert(3, {"id": "p2x", "source": "s", "messages": [{"role": "user", "content": "word " * 400}]})  # rejected
+    ranges = [(0, 3), (3, 6), (6, 8)]
+    # every completion is the prompt's last two ids; the third prompt of each chunk stops on length
+    llm = FakeLLM(lambda ids, params: (ids[-2:], "t", "length" if len(ids) % 3 == 0 else "stop"), max_num_seqs=2, per_step=1)
+    got = []
+    generate_chunks(
+        llm,
+        tokenizer,
+        recs,
+        ranges,
+        [2, 0, 1],
+        gen,
+        max_seq_len=256,
+        seed=5,
+        engine={"name": "fake"},
+        model={"path": "m"},
+        on_chunk=lambda i, r: got.append((i, r)),
+    )
+    # queue limit 2 x max_num_seqs = 4: chunks 2 (2 requests) and 0 (3) are added before anything finishes,
+    # chunk 1 (2 requests + the reject) as soon as fewer than 4 are unfinished, before chunk 0 completes
+    adds = [e[1] for e in llm.events if e[0] == "add"]
+    assert adds == ["2-0", "2-1", "0-0", "0-1", "0-2", "1-0", "1-1"]
+    first_add_of_1 = llm.events.index(("add", "1-0"))
+    last_finish_of_0 = max(j for j, e in enumerate(llm.events) if e[0] == "finish" and e[1].startswith("0-"))
+    assert first_add_of_1 < last_finish_of_0
+    assert sorted(i for i, _ in got) == [0, 1, 2]
+    by_chunk = dict(got)
+    assert [t["id"] for t in by_chunk[0].traces] == ["p0", "p1", "p2"]
+    assert [t["id"] for t in by_chunk[1].traces] == ["p3", "p4"] and [r.id for r in by_chunk[1].rejects] == ["p2x"]
+    assert [t["id"] for t in by_chunk[2].traces] == ["p5", "p6"]
+    for _i, r in got:
+        for t in r.traces:
+            rec = next(x for x in recs if x["id"] == t["id"])
+            from eagle3_pipeline.generation import render_prompt_ids
+
+            ids = render_prompt_ids(tokenizer, rec["messages"])
+            assert t["prompt_token_ids"] == ids and t["completion_token_ids"] == ids[-2:]
+            assert t["finish_reason"] == ("length" if len(ids) % 3 == 0 else "stop")
+            assert t["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_tokens": 8, "seed": 5}
+            assert t["engine"] == {"name": "fake"} and t["model"] == {"path": "m"}
+
+
+def test_a_chunk_of_only_rejects_completes_without_the_engine(tokenizer):
+    from eagle3_pipeline.config import validate_config
+    from eagle3_pipeline.generation import generate_chunks
+
+    gen = validate_config({})["generation"]
+    recs = [{"id": "long", "source": "x", "messages": [{"role": "user", "content": "word " * 400}]}]
+    llm = FakeLLM(lambda ids, params: pytest.fail("no prompt should reach the engine"))
+    got = []
+    generate_chunks(
+        llm, tokenizer, recs, [(0, 1)], [0], gen, max_seq_len=256, seed=0, engine={}, model={}, on_chunk=lambda i, r: got.append((i, r))
+    )
+    assert [(i, [x.reason for x in r.rejects], r.traces) for i, r in got] == [(0, ["prompt_too_long"], [])]
 
 
 def test_extraction_refuses_samples_longer_than_max_seq_len():

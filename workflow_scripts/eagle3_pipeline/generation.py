@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .io import InputError
 from .prompts import Reject
-from .runtime import progress
+from .runtime import Timer, progress
 
 logger = logging.getLogger(__name__)
 
@@ -140,59 +140,33 @@ class ShardResult:
             )
 
 
-def generate_shard(
-    llm,
-    tokenizer,
-    records: Sequence[dict],
-    gen_cfg: dict,
-    *,
-    max_seq_len: int,
-    seed: int,
-    engine: dict,
-    model: dict,
-    chunk_size: int = 1024,
-    require_traces: bool = True,
-) -> ShardResult:
-    """Generate one completion per prompt record with ``llm`` (a ``vllm.LLM``).
+#: A generation engine is kept fed with this many unfinished requests per running sequence
+#: slot (``max_num_seqs``): the next chunk's requests are added while fewer are unfinished, so
+#: the batch never drains between chunks.
+QUEUE_FACTOR = 2
 
-    Prompts whose rendered length leaves no room for a completion within
-    ``max_seq_len`` tokens are rejected (``prompt_too_long``); each request's
-    ``max_tokens`` is ``min(gen_cfg["max_tokens"], max_seq_len - prompt_tokens)``, so
-    prompt + completion never exceeds ``max_seq_len`` (the same limit extraction and
-    training use). Outputs keep the input (prompt-id) order.
 
-    Args:
-        llm: a ``vllm.LLM``.
-        tokenizer: the target tokenizer (chat template).
-        records: canonical prompt records (``id``, ``messages``, ``source``).
-        gen_cfg: validated ``generation:`` config (sampling params, reasoning tags).
-        max_seq_len: context limit in tokens.
-        seed: engine seed recorded in each trace.
-        engine: :func:`eagle3_pipeline.engine.engine_identity` output.
-        model: ``{"path", "fingerprint"}`` of the target.
-        chunk_size: prompts per ``llm.generate`` call (progress granularity).
-        require_traces: raise when every prompt was rejected (see ``ShardResult.check_usable``).
+def _requests(
+    tokenizer, records: Sequence[dict], gen_cfg: dict, max_seq_len: int
+) -> tuple[list[tuple[dict, list[int], int]], list[Reject]]:
+    """Render ``records`` and split them into requests ``(record, prompt ids, max_tokens)`` and rejects.
 
-    Raises:
-        InputError: every prompt of the shard was rejected (nothing to train on).
+    A prompt whose rendered length leaves fewer than ``min_completion_tokens`` within
+    ``max_seq_len`` is rejected (``prompt_too_long``), one whose template raises is rejected
+    (``template_error``); a request's ``max_tokens`` is ``min(max_tokens, max_seq_len - prompt
+    tokens)``.
     """
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    res = ShardResult()
-    sampling = {k: gen_cfg[k] for k in ("temperature", "top_p", "top_k", "max_tokens")}
-    split = make_reasoning_splitter(gen_cfg, tokenizer)
+    todo, rejects = [], []
     min_completion = gen_cfg["min_completion_tokens"]
-    todo = []
     for rec in records:
         try:
             ids = render_prompt_ids(tokenizer, rec["messages"], gen_cfg.get("chat_template_kwargs"))
         except Exception as e:  # a template that raises on this conversation
-            res.rejects.append(Reject(rec["source"], "template_error", f"{type(e).__name__}: {e}", id=rec["id"]))
+            rejects.append(Reject(rec["source"], "template_error", f"{type(e).__name__}: {e}", id=rec["id"]))
             continue
         room = max_seq_len - len(ids)
         if room < min_completion:
-            res.rejects.append(
+            rejects.append(
                 Reject(
                     rec["source"],
                     "prompt_too_long",
@@ -201,24 +175,82 @@ def generate_shard(
                 )
             )
             continue
-        todo.append((rec, ids, min(sampling["max_tokens"], room)))
+        todo.append((rec, ids, min(gen_cfg["max_tokens"], room)))
+    return todo, rejects
 
-    bar = progress(total=len(todo), desc="generate", unit="prompt")
-    for start in range(0, len(todo), chunk_size):
-        chunk = todo[start : start + chunk_size]
-        prompts = [TokensPrompt(prompt_token_ids=ids) for _, ids, _ in chunk]
-        params = [
-            SamplingParams(
-                temperature=sampling["temperature"],
-                top_p=sampling["top_p"],
-                top_k=sampling["top_k"],
-                max_tokens=mt,
-                skip_special_tokens=gen_cfg["skip_special_tokens"],
-            )
-            for _, _, mt in chunk
-        ]
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        for (rec, ids, mt), out in zip(chunk, outputs, strict=True):
+
+def queued_requests(llm) -> int:
+    """Unfinished requests to keep in ``llm``'s engine: :data:`QUEUE_FACTOR` x its ``max_num_seqs`` (512 if unknown)."""
+    try:
+        return QUEUE_FACTOR * int(llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
+    except (AttributeError, TypeError, ValueError):
+        return 512
+
+
+def generate_chunks(
+    llm,
+    tokenizer,
+    records: Sequence[dict],
+    ranges: Sequence[tuple[int, int]],
+    chunks,
+    gen_cfg: dict,
+    *,
+    max_seq_len: int,
+    seed: int,
+    engine: dict,
+    model: dict,
+    on_chunk,
+    total: int | None = None,
+) -> None:
+    """Generate one completion per prompt record of each chunk, feeding the engine continuously.
+
+    Chunk ``i`` is ``records[ranges[i][0]:ranges[i][1]]``; chunk indices are taken from the
+    iterable ``chunks`` (a shared queue with data-parallel replicas) whenever fewer than
+    :func:`queued_requests` requests are unfinished, so the running batch stays full across
+    chunk boundaries (``vllm.LLM.generate`` per chunk would drain it at every chunk's end).
+    When the last request of a chunk finishes, ``on_chunk(i, ShardResult)`` is called with the
+    chunk's traces in input (prompt-id) order and its rejects; chunks complete roughly in the
+    order they were taken. The engine is driven as ``LLM.generate`` drives it
+    (``LLMEngine.add_request`` with ``RequestOutputKind.FINAL_ONLY``, then ``step``).
+
+    Args:
+        llm: a ``vllm.LLM``.
+        tokenizer: the target tokenizer (chat template).
+        records: canonical prompt records (``id``, ``messages``, ``source``).
+        ranges: ``(start, end)`` record indices of each chunk.
+        chunks: iterable of chunk indices to generate.
+        gen_cfg: validated ``generation:`` config (sampling params, reasoning tags).
+        max_seq_len: context limit in tokens (prompt + completion).
+        seed: engine seed recorded in each trace.
+        engine: :func:`eagle3_pipeline.engine.engine_identity` output.
+        model: ``{"path", "fingerprint"}`` of the target.
+        on_chunk: called as ``on_chunk(i, result)`` once per finished chunk.
+        total: prompts the progress bar counts to (default: every record).
+
+    Raises:
+        RuntimeError: vLLM returned other prompt ids than it was given (tokenization drift).
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    sampling = {k: gen_cfg[k] for k in ("temperature", "top_p", "top_k", "max_tokens")}
+    split = make_reasoning_splitter(gen_cfg, tokenizer)
+    eng = llm.llm_engine
+    limit = queued_requests(llm)
+    # chunk index -> [requests, finished outputs by position, rejects]
+    open_chunks: dict[int, tuple[list, dict, list]] = {}
+    chunks = iter(chunks)
+    more = True
+    tokens = 0
+    bar = progress(total=len(records) if total is None else total, desc="generate", unit="prompt")
+    timer = Timer()
+
+    def finish(i: int) -> None:
+        todo, outs, rejects = open_chunks.pop(i)
+        res = ShardResult(rejects=list(rejects))
+        for k, (rec, ids, mt) in enumerate(todo):
+            out = outs[k]
             comp = out.outputs[0] if out.outputs else None
             if comp is None or comp.finish_reason not in ("stop", "length"):
                 reason = comp.finish_reason if comp is not None else "no_output"
@@ -247,8 +279,99 @@ def generate_shard(
                     "model": model,
                 }
             )
-        bar.update(len(chunk))
-    bar.close()
+        on_chunk(i, res)
+
+    try:
+        while True:
+            while more and eng.get_num_unfinished_requests() < limit:
+                i = next(chunks, None)
+                if i is None:
+                    more = False
+                    break
+                a, b = ranges[i]
+                todo, rejects = _requests(tokenizer, records[a:b], gen_cfg, max_seq_len)
+                open_chunks[i] = (todo, {}, rejects)
+                bar.update(len(rejects))
+                for k, (_rec, ids, mt) in enumerate(todo):
+                    params = SamplingParams(
+                        temperature=sampling["temperature"],
+                        top_p=sampling["top_p"],
+                        top_k=sampling["top_k"],
+                        max_tokens=mt,
+                        skip_special_tokens=gen_cfg["skip_special_tokens"],
+                        output_kind=RequestOutputKind.FINAL_ONLY,
+                    )
+                    eng.add_request(f"{i}-{k}", TokensPrompt(prompt_token_ids=ids), params)
+                if not todo:
+                    finish(i)
+            if not eng.has_unfinished_requests():
+                break
+            for out in eng.step():
+                if not out.finished:
+                    continue
+                i, k = map(int, out.request_id.split("-"))
+                outs = open_chunks[i][1]
+                outs[k] = out
+                tokens += sum(len(c.token_ids) for c in out.outputs)
+                bar.update(1)
+                if len(outs) == len(open_chunks[i][0]):
+                    bar.set_postfix_str(f"{tokens / max(timer.seconds, 1e-9):.0f} completion tok/s", refresh=False)
+                    finish(i)
+    finally:
+        bar.close()
+    if open_chunks:  # the engine has no request left for them: a bug, never a silent loss
+        raise RuntimeError(f"generation: chunks {sorted(open_chunks)} have requests that never finished")
+
+
+def generate_shard(
+    llm,
+    tokenizer,
+    records: Sequence[dict],
+    gen_cfg: dict,
+    *,
+    max_seq_len: int,
+    seed: int,
+    engine: dict,
+    model: dict,
+    require_traces: bool = True,
+) -> ShardResult:
+    """Generate one completion per prompt record with ``llm`` (a ``vllm.LLM``): one chunk of :func:`generate_chunks`.
+
+    Prompts whose rendered length leaves no room for a completion within
+    ``max_seq_len`` tokens are rejected (``prompt_too_long``); each request's
+    ``max_tokens`` is ``min(gen_cfg["max_tokens"], max_seq_len - prompt_tokens)``, so
+    prompt + completion never exceeds ``max_seq_len`` (the same limit extraction and
+    training use). Outputs keep the input (prompt-id) order.
+
+    Args:
+        llm: a ``vllm.LLM``.
+        tokenizer: the target tokenizer (chat template).
+        records: canonical prompt records (``id``, ``messages``, ``source``).
+        gen_cfg: validated ``generation:`` config (sampling params, reasoning tags).
+        max_seq_len: context limit in tokens.
+        seed: engine seed recorded in each trace.
+        engine: :func:`eagle3_pipeline.engine.engine_identity` output.
+        model: ``{"path", "fingerprint"}`` of the target.
+        require_traces: raise when every prompt was rejected (see ``ShardResult.check_usable``).
+
+    Raises:
+        InputError: every prompt of the shard was rejected (nothing to train on).
+    """
+    results: list[ShardResult] = []
+    generate_chunks(
+        llm,
+        tokenizer,
+        records,
+        [(0, len(records))],
+        [0],
+        gen_cfg,
+        max_seq_len=max_seq_len,
+        seed=seed,
+        engine=engine,
+        model=model,
+        on_chunk=lambda _i, r: results.append(r),
+    )
+    (res,) = results
     if require_traces:
         res.check_usable()
     return res
@@ -258,8 +381,9 @@ def _generation_replica(job: dict, rank: int, chunks) -> None:
     """One engine replica of a generation job: generate the chunks it takes from ``chunks``.
 
     Runs in the job's process (one replica) or in a spawned replica process
-    (:func:`eagle3_pipeline.parallel.run_replicas`). Writes each chunk atomically into
-    the job's chunk store and its timing to ``replica-<rank>.json`` there.
+    (:func:`eagle3_pipeline.parallel.run_replicas`). The engine is fed continuously
+    (:func:`generate_chunks`); each chunk is written atomically into the job's chunk store as
+    soon as its last prompt is answered, and the replica's timing to ``replica-<rank>.json``.
     """
     import json
 
@@ -267,7 +391,6 @@ def _generation_replica(job: dict, rank: int, chunks) -> None:
     from .hygiene import ProcessRecord
     from .io import write_json_atomic
     from .resume import ChunkStore
-    from .runtime import Timer
     from .target_model import load_tokenizer
 
     params, records, ranges = job["params"], job["records"], job["ranges"]
@@ -288,25 +411,31 @@ def _generation_replica(job: dict, rank: int, chunks) -> None:
     engine = engine_identity()
     gen = Timer()
     tokens = done = 0
-    for i in chunks:
+
+    def write_chunk(i: int, res: ShardResult) -> None:
+        nonlocal tokens, done
         a, b = ranges[i]
-        res = generate_shard(
-            llm,
-            tokenizer,
-            records[a:b],
-            params["generation"],
-            max_seq_len=params["max_seq_len"],
-            seed=params["seed"],
-            engine=engine,
-            model=job["model"],
-            require_traces=False,
-        )
         tokens += res.summary()["completion_tokens"]
         done += 1
         lines = [{"trace": t} for t in res.traces] + [{"reject": r.as_dict()} for r in res.rejects]
         with store.writing(i) as tmp, open(tmp, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(x, ensure_ascii=False, sort_keys=True) + "\n" for x in lines)
         logger.info("chunk %d/%d done (prompts %d-%d)", i + 1, len(ranges), a, b - 1)
+
+    generate_chunks(
+        llm,
+        tokenizer,
+        records,
+        ranges,
+        chunks,
+        params["generation"],
+        max_seq_len=params["max_seq_len"],
+        seed=params["seed"],
+        engine=engine,
+        model=job["model"],
+        on_chunk=write_chunk,
+        total=sum(ranges[i][1] - ranges[i][0] for i in job["todo"]),
+    )
     gen_s = gen.seconds
     shutdown_llm(llm)
     pids.clear()
@@ -376,7 +505,15 @@ def run_generation_shard(
         with host_lock(enabled=host_lock_enabled):
             cleanup_stale_processes(Path(out["traces"]).parents[1] / ".pids")
             check_gpus_free()
-            job = {"params": params, "records": records, "ranges": ranges, "traces": out["traces"], "target": target, "model": model}
+            job = {
+                "params": params,
+                "records": records,
+                "ranges": ranges,
+                "todo": todo,
+                "traces": out["traces"],
+                "target": target,
+                "model": model,
+            }
             run_replicas(
                 functools.partial(_generation_replica, job),
                 todo,
