@@ -30,6 +30,10 @@ onstart:
     print_plan()
 
 
+onerror:
+    print_resume_hint()
+
+
 rule all:
     default_target: True
     input:

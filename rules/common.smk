@@ -425,3 +425,19 @@ def print_plan():
         + format_plan(stages, jobs),
         file=sys.stderr,
     )
+
+
+def print_resume_hint():
+    """After a failed or interrupted run (onerror): what it keeps and that rerunning resumes."""
+    from eagle3_pipeline.resume import kept_work
+
+    try:
+        kept = kept_work(f"results/{RUN}")
+    except OSError as e:
+        kept = [f"(could not list: {e})"]
+    print(
+        "\nThe run stopped before it finished. Rerun the same command to resume"
+        + (": kept for the rerun,\n  " + "\n  ".join(kept) if kept else ".")
+        + f"\nEach job's log is under logs/{RUN}/ (Snakemake replaces a job's log when it reruns the job).",
+        file=sys.stderr,
+    )

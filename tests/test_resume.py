@@ -132,3 +132,32 @@ def test_killed_generation_resumes_to_identical_traces(tmp_path, target_dir):
     assert [t["completion_token_ids"] for t in got] == [t["completion_token_ids"] for t in want]
     summary = json.loads((killed / "summary.json").read_text())
     assert summary["chunks_resumed"] == 2 and summary["ok"] == 5
+
+
+def test_kept_work_names_finished_chunks_and_training_checkpoints(tmp_path):
+    """What the onerror hint lists: finished chunks per store (not specs or temp files), checkpoint steps."""
+    from eagle3_pipeline.resume import ChunkStore, kept_work
+
+    run = tmp_path / "results" / "r"
+    gen = ChunkStore(run / "traces" / "shard-00000.jsonl", "fp", ".jsonl")
+    for i in (0, 2):
+        with gen.writing(i) as tmp:
+            tmp.write_text("{}\n")
+    (gen.dir / ".chunk-000003.jsonl.x.tmp").write_text("half")
+    ext = ChunkStore(run / "hidden_states" / "shard-00000.safetensors", "fp", ".done")
+    (ext.dir / "chunk-000000.done").write_text("{}")
+    (ext.dir / "chunk-000000.done.spec.json").write_text("{}")
+    (ext.dir / "chunk-000001.done.spec.json").write_text("{}")  # submitted, not done
+    ckpt = run / "sweep" / "v1" / "train" / ".checkpoint"
+    ckpt.mkdir(parents=True)
+    (ckpt / "progress.json").write_text(json.dumps({"step": 61, "total_steps": 122, "epoch": 1, "tokens_seen": 5}))
+    bad = run / "train" / ".checkpoint"
+    bad.mkdir(parents=True)
+    (bad / "progress.json").write_text("{")
+    assert kept_work(run) == [
+        f"1 finished chunk(s) of {run / 'hidden_states' / 'shard-00000.safetensors'}",
+        f"2 finished chunk(s) of {run / 'traces' / 'shard-00000.jsonl'}",
+        f"training checkpoint at step 61/122 in {ckpt}",
+        f"training checkpoint in {bad} (progress.json unreadable)",
+    ]
+    assert kept_work(tmp_path / "nothing") == []

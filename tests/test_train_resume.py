@@ -3,6 +3,7 @@ reads its batches with loader processes)."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from safetensors.torch import load_file
 from train_support import write_random_train_inputs
 
 from eagle3_pipeline.config import validate_config
+from eagle3_pipeline.resume import kept_work
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,6 +48,12 @@ def test_killed_training_resumes_to_the_same_weights(tmp_path, target_dir):
     r = _train(killed, target_dir, {"EAGLE3_FAULT_KILL_AFTER_STEPS": "3"})
     assert r.returncode == -signal.SIGKILL
     assert not (killed / "drafter").exists() and (killed / "train" / ".checkpoint" / "state.pt").is_file()
+    # each checkpoint says so in the log; an interrupted run's hint (kept_work) names the last one
+    saved = re.findall(r"checkpoint at step (\d+)/(\d+) saved in (\S+): a rerun resumes from here", r.stderr)
+    assert [int(x[0]) for x in saved] == [1, 2, 3] and len({x[1] for x in saved}) == 1
+    total = int(saved[0][1])
+    assert total == int(re.search(r"training: .* (\d+) steps \(", r.stderr).group(1))
+    assert kept_work(killed) == [f"training checkpoint at step 3/{total} in {killed / 'train' / '.checkpoint'}"]
     # the rerun reads its batches with 2 loader processes (the others with none): same batches, same weights
     r = _train(killed, target_dir, loader_workers=2)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -205,3 +205,29 @@ def test_evaluation_enforce_eager_sets_only_the_evaluation_engine(tmp_path):
         assert workflow.get_rule("evaluate_drafter").params.vllm["enforce_eager"] is True
         assert workflow.get_rule("generate_traces").params.vllm["enforce_eager"] is False
         assert workflow.get_rule("extract_hidden_states").params.extraction["engine"]["enforce_eager"] is False
+
+
+def test_a_failed_run_says_rerun_resumes_and_what_it_keeps(tmp_path):
+    """onerror: after a failed job, the run names the finished chunks it keeps and says to rerun."""
+    src = tmp_path / "p.jsonl"
+    src.write_text('{"messages": "not a list"}\n')
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"run": "r", "prompts": {"sources": [{"type": "file", "path": str(src)}]}}))
+    kept = tmp_path / "wd" / "results" / "r" / "traces" / ".shard-00000.jsonl.partial"
+    kept.mkdir(parents=True)
+    (kept / "chunk-000000.jsonl").write_text("{}\n")
+    r = snakemake(
+        "--cores",
+        "1",
+        "--configfile",
+        str(cfg),
+        "-d",
+        str(tmp_path / "wd"),
+        "-s",
+        str(ROOT / "Snakefile"),
+        "results/r/prompts/shard-00000.jsonl",
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "Error in rule prepare_prompts" in out
+    assert "The run stopped before it finished. Rerun the same command to resume: kept for the rerun," in out
+    assert "1 finished chunk(s) of results/r/traces/shard-00000.jsonl" in out

@@ -13,8 +13,10 @@ directory. Snakemake deletes a failed job's outputs but not this directory.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import re
 import shutil
 import signal
 from collections.abc import Iterator, Sequence
@@ -121,3 +123,29 @@ def todo_chunks(store: ChunkStore, ranges: Sequence[tuple[int, int]]) -> list[in
             len(todo),
         )
     return todo
+
+
+def kept_work(run_dir: str | os.PathLike) -> list[str]:
+    """What an interrupted run under ``run_dir`` (``results/<run>``) keeps for its rerun, one line each.
+
+    Lists every chunk store (``.<output>.partial/``, :class:`ChunkStore`) with its finished
+    chunks, and every training checkpoint (``.checkpoint/progress.json``, written by
+    :class:`eagle3_pipeline.training.TrainCheckpoint`) with its step. A store or checkpoint
+    written under other inputs or settings is still listed: the rerun decides (and logs)
+    whether it applies. Unreadable entries are named as such, never raised.
+    """
+    root = Path(run_dir)
+    lines = []
+    for d in sorted(root.rglob(".*.partial")):
+        if not d.is_dir():
+            continue
+        final = d.parent / d.name[1 : -len(".partial")]
+        n = sum(bool(re.fullmatch(r"chunk-\d{6}\.[a-z]+", p.name)) for p in d.iterdir())  # not specs, temp files
+        lines.append(f"{n} finished chunk(s) of {final}")
+    for meta in sorted(root.rglob(".checkpoint/progress.json")):
+        try:
+            m = json.loads(meta.read_text(encoding="utf-8"))
+            lines.append(f"training checkpoint at step {m['step']}/{m['total_steps']} in {meta.parent}")
+        except (OSError, ValueError, KeyError, TypeError):
+            lines.append(f"training checkpoint in {meta.parent} (progress.json unreadable)")
+    return lines

@@ -402,8 +402,16 @@ class TrainCheckpoint:
         return state
 
     def save(self, state: dict) -> None:
+        """Write ``state`` (``torch.save``) and, beside it, ``progress.json``: where the run stands.
+
+        ``progress.json`` holds ``step``, ``total_steps``, ``epoch`` and ``tokens_seen`` from
+        ``state`` (what :func:`eagle3_pipeline.resume.kept_work` reports after an interrupted
+        run, without loading the tensors).
+        """
         with atomic_dir(self.dir) as tmp:
             torch.save({**state, "fingerprint": self.fingerprint}, tmp / "state.pt")
+            meta = {k: state.get(k) for k in ("step", "total_steps", "epoch", "tokens_seen")}
+            (tmp / "progress.json").write_text(json.dumps(meta) + "\n", encoding="utf-8")
 
     def remove(self) -> None:
         import shutil
@@ -603,6 +611,7 @@ def train(
                     "schedulers": [s.state_dict() for s in schedulers],
                     "rng": torch.get_rng_state(),
                     "step": step,
+                    "total_steps": total_steps,
                     "tokens_seen": tokens_seen,
                     "epoch": epoch,
                     "batch": batch,
@@ -610,6 +619,7 @@ def train(
                     "seconds_done": seconds_before + timer.seconds,
                 }
             )
+            logger.info("checkpoint at step %d/%d saved in %s: a rerun resumes from here", step, total_steps, ckpt.dir)
         _barrier(ctx)
         _fault_after_step(step)
 
