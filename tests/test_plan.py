@@ -134,6 +134,27 @@ def test_a_resumed_stage_is_estimated_for_its_pending_jobs_only(tmp_path):
     assert "1/4" in format_plan([g1]).splitlines()[1]
 
 
+def test_a_training_that_resumes_from_its_checkpoint_is_planned_for_the_steps_left(tmp_path):
+    cfg = validate_config({"sweep": {"variants": {"e2": {"training": {"epochs": 3}}}}})
+    jobs = [{"rule": "train_drafter", "wildcards": {}}, {"rule": "train_drafter_variant", "wildcards": {"variant": "e2"}}]
+    fresh = _by_stage(plan_run(cfg, None, tmp_path, jobs, platform="cpu")[0])["train_drafter"]
+    ck = tmp_path / "train" / ".checkpoint"
+    ck.mkdir(parents=True)
+    (ck / "progress.json").write_text(json.dumps({"step": 30, "total_steps": 120, "epoch": 0, "tokens_seen": 1}))
+    resumed = _by_stage(plan_run(cfg, None, tmp_path, jobs, platform="cpu")[0])["train_drafter"]
+    per_job, load, tps = fresh.tokens / 2, fresh.load_seconds, fresh.tokens_per_second
+    # the run's own training has 3/4 of its steps left, the variant's all of them
+    assert resumed.tokens == int(per_job * 0.75 + per_job)
+    assert resumed.seconds == pytest.approx(2 * load + (per_job * 0.75 + per_job) / tps, abs=0.1)
+    assert resumed.seconds < fresh.seconds == pytest.approx(2 * load + 2 * per_job / tps, abs=0.1)
+    assert resumed.work["resumes_from"] == [{"step": 30, "total_steps": 120}]
+    assert resumed.source.endswith("; resumes from checkpoint step 30/120")
+    # an unreadable checkpoint record plans the whole training again
+    (ck / "progress.json").write_text("{")
+    again = _by_stage(plan_run(cfg, None, tmp_path, jobs, platform="cpu")[0])["train_drafter"]
+    assert (again.tokens, again.seconds) == (fresh.tokens, fresh.seconds) and "resumes_from" not in again.work
+
+
 def test_vllm_extraction_on_cpu_has_its_own_reference_and_the_caveat_only_where_it_applies(tmp_path):
     ref = REFERENCES["cpu"][0]["extract_hidden_states_vllm"]
     vllm = validate_config({"prompts": {"max_prompts": 10}, "extraction": {"backend": "vllm"}})

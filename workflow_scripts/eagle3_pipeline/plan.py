@@ -440,7 +440,46 @@ def plan_run(
         if st.pending and len(st.pending) < st.jobs:  # a resumed stage: only its pending jobs
             frac = len(st.pending) / st.jobs
             st.tokens, st.disk_bytes, st.seconds = int(st.tokens * frac), int(st.disk_bytes * frac), round(st.seconds * frac, 1)
+        if st.stage == "train_drafter" and st.pending:
+            _resume_from_checkpoints(st, run_dir)
     return stages, platform
+
+
+def training_checkpoint_step(run_dir: str | Path, wildcards: dict) -> tuple[int, int] | None:
+    """``(step, total_steps)`` of the training checkpoint a pending training job would resume from.
+
+    The run's own training (no wildcards) keeps it in ``train/.checkpoint/progress.json``, a
+    sweep variant's (``{"variant": v}``) in ``sweep/<v>/train/.checkpoint/progress.json``
+    (:class:`eagle3_pipeline.training.TrainCheckpoint`). None when there is none or it is
+    unreadable. Whether the checkpoint still applies (same inputs and settings), only the
+    training job decides; a stale one makes the plan too short.
+    """
+    d = Path(run_dir)
+    if wildcards.get("variant"):
+        d = d / "sweep" / wildcards["variant"]
+    m = _read(d / "train" / ".checkpoint" / "progress.json")
+    try:
+        step, total = int(m["step"]), int(m["total_steps"])
+    except (TypeError, KeyError, ValueError):
+        return None
+    return (step, total) if 0 <= step <= total and total > 0 else None
+
+
+def _resume_from_checkpoints(st: StageEstimate, run_dir: str | Path) -> None:
+    """Estimate the pending trainings of ``st`` for the steps left after their checkpoints."""
+    per_job = st.tokens / len(st.pending)
+    left = []
+    for w in st.pending:
+        ck = training_checkpoint_step(run_dir, w)
+        left.append(1.0 - ck[0] / ck[1] if ck else 1.0)
+        if ck:
+            st.work.setdefault("resumes_from", []).append({**w, "step": ck[0], "total_steps": ck[1]})
+    if "resumes_from" not in st.work:
+        return
+    st.tokens = int(sum(per_job * f for f in left))
+    st.seconds = round(sum(st.load_seconds + per_job * f / max(st.tokens_per_second, 1e-9) for f in left), 1)
+    steps = ", ".join(f"{r['step']}/{r['total_steps']}" for r in st.work["resumes_from"])
+    st.source += f"; resumes from checkpoint step {steps}"
 
 
 def jobs_by_rule(jobs: list[dict]) -> dict[str, int]:
