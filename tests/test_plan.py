@@ -403,3 +403,25 @@ def test_plan_after_a_finished_run_foresees_what_a_changed_parameter_reruns(e2e_
     assert r.stderr.count("total (pending stages)") == 1
     assert "build_vocab_mapping x1" in r.stderr
     assert start_plans(res) == starts  # `snakemake plan` keeps no start plan
+
+
+def test_a_cpu_without_fast_bf16_is_planned_from_its_own_slower_figures(tmp_path, monkeypatch):
+    from eagle3_pipeline import parallel, precision
+
+    cfg = validate_config({})
+    fast = _by_stage(make_plan(cfg, BUILTIN_SHAPE, tmp_path, "cpu"))
+    slow = _by_stage(make_plan(cfg, BUILTIN_SHAPE, tmp_path, "cpu_fp32"))
+    for stage in ("generate_traces", "extract_hidden_states", "train_drafter", "evaluate_drafter"):
+        want = REFERENCES["cpu_fp32"][0][stage]["tokens_per_second"]
+        assert slow[stage].tokens_per_second == want < fast[stage].tokens_per_second, stage
+        assert slow[stage].tokens == fast[stage].tokens and slow[stage].seconds > 3 * fast[stage].seconds, stage
+        assert slow[stage].source.startswith(f"reference ({REFERENCES['cpu_fp32'][0]['source']}"), stage
+    assert "training.optimizer adamw avoids them" in slow["train_drafter"].source
+    assert "adamw" not in fast["train_drafter"].source
+    adamw = _by_stage(make_plan(validate_config({"training": {"optimizer": "adamw"}}), BUILTIN_SHAPE, tmp_path, "cpu_fp32"))
+    assert "adamw" not in adamw["train_drafter"].source
+    # plan_run finds the platform: no GPU, and the CPU's bf16 support
+    monkeypatch.setattr(parallel, "visible_gpus", lambda: [])
+    for has, platform in ((True, "cpu"), (False, "cpu_fp32")):
+        monkeypatch.setattr(precision, "cpu_has_fast_bf16", lambda has=has: has)
+        assert plan_run(cfg, None, tmp_path, [], None)[1] == platform

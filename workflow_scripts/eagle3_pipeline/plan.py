@@ -69,6 +69,29 @@ REFERENCES = {
             "evaluate_drafter": {"tokens_per_second": 197.0, "load_seconds": 31.0},
         }
     ],
+    # A CPU without fast bf16 (no AVX-512 or AVX2-VNNI-2), where every auto dtype resolves to
+    # float32 (precision.py): 4-8x slower than the figures above on the demo.
+    "cpu_fp32": [
+        {
+            "source": "a new user's demo run on 2 AVX2-only EPYC cores (SmolLM2-135M, float32 compute, Muon), "
+            "2026-12-02, in part beside other jobs: rough",
+            "params": 134_515_008,
+            "hidden_size": 576,
+            # 60.9K completion tokens in 925 s; 113K tokens extracted in 559 s; 122 training steps of
+            # ~1.75K tokens at ~43 s each; 80 evaluation answers (19.9K tokens) in 496 s. Load
+            # seconds were not recorded apart: the fast-bf16 machine's.
+            "generate_traces": {"tokens_per_second": 68.0, "load_seconds": 31.0},
+            "extract_hidden_states": {"tokens_per_second": 203.0, "load_seconds": 3.0},
+            "extract_hidden_states_vllm": {
+                "tokens_per_second": 541.0,
+                "load_seconds": 18.0,
+                "source": "extraction.backend vllm: the fast-bf16 CPU's 2,449 tok/s x the hf backend's slowdown "
+                "on the AVX2 CPU (203 / 920), not measured",
+            },
+            "train_drafter": {"tokens_per_second": 41.0, "load_seconds": 5.0},
+            "evaluate_drafter": {"tokens_per_second": 43.0, "load_seconds": 31.0},
+        }
+    ],
     "cuda": [
         {
             "source": "1 x H200, Llama-3.1-8B-shaped target (benchmarks/results/vs_speculators_h200.json)",
@@ -203,7 +226,8 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
             config; ``params`` may be estimated by :func:`estimate_params`).
         run_dir: ``results/<run>`` (measured throughputs and this run's token counts are read
             there; which stages are pending, :func:`plan_run` decides from Snakemake's jobs).
-        platform: ``"cpu"`` or ``"cuda"``: which reference figures apply.
+        platform: which reference figures apply (:data:`REFERENCES`): ``"cuda"``, ``"cpu"`` (a
+            CPU with fast bf16) or ``"cpu_fp32"`` (one without, computing in float32).
 
     Raises:
         KeyError: an unknown platform.
@@ -241,7 +265,8 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
     ratio = ref["params"] / max(target["params"], 1)
     # time per token ~ parameters for a big target; a smaller one gains less on a GPU (measured: the
     # hf backend on an H200 was 9.5x faster for SmolLM2 than for the 8B shape, 60x fewer parameters)
-    scale = ratio if platform == "cpu" or ratio < 1 else ratio**0.5
+    cpu = platform.startswith("cpu")
+    scale = ratio if cpu or ratio < 1 else ratio**0.5
     train_scale = (ref["hidden_size"] / target["hidden_size"]) ** 2
     load_scale = max(1.0, 1 / ratio)  # loading reads the weights: ~ parameters
     replicas = {
@@ -262,7 +287,7 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
         note = "" if round(s, 3) == 1 else f" x {s:.3g}"
         note += f" x {d_} replicas" if d_ > 1 else ""
         # caveats where they apply: a GPU figure scaled to another size, parallelism the reference did not have
-        caveats = ["scaled from another target size"] if platform != "cpu" and round(s, 3) != 1 else []
+        caveats = ["scaled from another target size"] if not cpu and round(s, 3) != 1 else []
         caveats += ["tensor/pipeline parallel not modelled"] if engine_gpus > 1 else []
         caveats += ["replicas scaled linearly"] if d_ > 1 else []
         note += f"; rough: {', '.join(caveats)}" if caveats else ""
@@ -313,6 +338,11 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
         ),
     ):
         tps, load, source = rate(stage, ref_key, s)
+        if stage == "train_drafter" and platform == "cpu_fp32" and cfg["training"]["optimizer"] == "muon":
+            # README "Compute dtypes": torch's Muon keeps its Newton-Schulz steps in bf16
+            source += (
+                "; Muon's bf16 steps are emulated on this CPU (2/3 of a step on the reference's): training.optimizer adamw avoids them"
+            )
         per_job = tokens / max(jobs, 1)
         seconds = load + per_job / tps  # jobs of one stage run one after another on one host
         # (training's load is its compilation, once per training job like an engine's load)
@@ -415,8 +445,10 @@ def plan_run(
             materialized (its known shape is used).
         jobs: the jobs Snakemake will run, as :func:`needrun_jobs` or :func:`dry_run_jobs`
             return them (``{"rule", "wildcards", "output"}``).
-        platform: ``"cpu"``/``"cuda"``; None: ``"cuda"`` when this machine sees an NVIDIA GPU
-            (:func:`eagle3_pipeline.parallel.visible_gpus`), else ``"cpu"``.
+        platform: ``"cuda"``, ``"cpu"`` or ``"cpu_fp32"``; None: ``"cuda"`` when this machine sees
+            an NVIDIA GPU (:func:`eagle3_pipeline.parallel.visible_gpus`), else ``"cpu"`` where
+            the CPU has fast bf16 and ``"cpu_fp32"`` where it has not
+            (:func:`eagle3_pipeline.precision.cpu_has_fast_bf16`).
 
     Returns:
         ``(stages, platform)``; a stage none of whose jobs is in ``jobs`` is marked ``done``,
@@ -425,7 +457,9 @@ def plan_run(
     from .parallel import visible_gpus
 
     if platform is None:
-        platform = "cuda" if visible_gpus() else "cpu"
+        from .precision import cpu_has_fast_bf16
+
+        platform = "cuda" if visible_gpus() else "cpu" if cpu_has_fast_bf16() else "cpu_fp32"
     if target_dir is not None and (Path(target_dir) / "config.json").is_file():
         from .target_model import text_config
 
