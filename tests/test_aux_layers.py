@@ -73,6 +73,27 @@ def test_training_samples_carry_exactly_the_chosen_layers(tmp_path):
     assert torch.equal(every, states[items[0][1]][:, :5].reshape(-1, 5 * 576))
 
 
+def test_fp8_training_samples_dequantize_only_the_chosen_layers_to_the_same_values(tmp_path):
+    """An fp8 shard read for a subset: each chosen row is q x its row scale, computed here from the raw tensors."""
+    shard, states = _superset_shard(tmp_path)
+    f8 = tmp_path / "fp8.safetensors"
+    bf = ShardReader(shard)
+    samples = [Sample(sid, bf.sample(i)["input_ids"].numpy(), bf.sample(i)["loss_mask"].numpy()) for i, sid in enumerate(bf.sample_ids)]
+    write_shard(f8, samples, states, layer_ids=STORED + [30], aux_layer_ids=STORED, index_path=None, storage_dtype=torch.float8_e4m3fn)
+    reader = ShardReader(f8)
+    q, scale = reader.raw("hidden_states"), reader.raw("hidden_states_scale")  # [N, 6, 576] fp8, [N, 6] float32
+    items, _ = split_items([reader], 0.0)
+    _, cols = drafter_aux_columns([8, 22], reader.aux_layer_ids)
+    ds = ShardDataset([reader], items, 4096, torch.bfloat16, cols)
+    for n, (_, i) in enumerate(items[:3]):
+        a, b = int(reader.offsets[i]), int(reader.offsets[i + 1])
+        rows = [(q[a:b, k].float() * scale[a:b, k, None]).to(torch.bfloat16) for k in (1, 3, 5)]  # layers 8, 22, 30
+        got = ds[n]
+        assert torch.equal(got["hidden_states"], torch.cat(rows[:2], dim=-1))
+        assert torch.equal(got["verifier_last_hidden_states"], rows[2])
+        assert torch.equal(reader.sample(i, layers=[3, 1])["hidden_states"], reader.sample(i)["hidden_states"][:, [3, 1]])
+
+
 def test_a_drafter_trained_on_a_subset_names_those_layers(tmp_path, target_dir):
     shard, _ = _superset_shard(tmp_path)
     cfg = validate_config({"training": {"epochs": 1, "pack_tokens": 256, "val_fraction": 0.2, "aux_layer_ids": [2, 15, 27]}})["training"]

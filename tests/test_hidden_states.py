@@ -215,3 +215,20 @@ def test_fp8_storage_round_trip_error_is_bounded(tmp_path, target_dir):
         w.write_states(rows[0], torch.cat(states[:2]))
     parts = shard_index(tmp_path / "parts.safetensors", samples, layer_ids=layer_ids, aux_layer_ids=layer_ids[:-1], index_path=None)
     assert parts["sha256"] == f8["sha256"]
+
+
+def test_fp8_dequantization_on_cpu_equals_torchs_cast_for_every_bit_pattern():
+    """The table-based CPU dequantisation gives exactly (q.float() * scale).to(dtype), NaN codes included."""
+    from eagle3_pipeline.hidden_states import dequantize_fp8
+
+    q = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(4, 2, 32)  # every code once
+    scale = torch.tensor([[1.0, 0.5], [3.7e-3, 2.0], [448.0, 1e-30], [0.125, 7.0]])
+    for dtype in (torch.bfloat16, torch.float32):
+        got = dequantize_fp8(q, scale, dtype)
+        want = (q.float() * scale[..., None]).to(dtype)
+        assert got.dtype == dtype and got.shape == (4, 2, 32)
+        nan = torch.isnan(want)
+        assert int(nan.sum()) == 2 * 1 and torch.equal(torch.isnan(got), nan)  # 0x7f and 0xff
+        assert torch.equal(got[~nan], want[~nan])
+    strided = q.transpose(0, 1)  # a non-contiguous view reads the same values
+    assert torch.equal(dequantize_fp8(strided, scale.T, torch.float32).nan_to_num(), (strided.float() * scale.T[..., None]).nan_to_num())

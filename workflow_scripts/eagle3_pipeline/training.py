@@ -72,13 +72,15 @@ class ShardDataset(_base_dataset()):  # type: ignore[misc]
 
     def _get_raw_data(self, index: int) -> dict:
         s, i = self.items[index]
-        smp = self.readers[s].sample(i)
-        hs = smp["hidden_states"]  # [T, L, H]: the stored aux layers, then the final layer
-        t, n_layers, h = hs.shape
-        aux = hs[:, : n_layers - 1] if self.aux_columns is None else hs[:, self.aux_columns]
+        reader = self.readers[s]
+        n_stored = len(reader.layer_ids)  # the stored aux layers, then the final layer
+        aux_cols = list(range(n_stored - 1)) if self.aux_columns is None else list(self.aux_columns)
+        smp = reader.sample(i, layers=[*aux_cols, n_stored - 1])  # only what the drafter reads is dequantised
+        hs = smp["hidden_states"]  # [T, A + 1, H]: the drafter's aux layers, then the final layer
+        t, n, h = hs.shape
         return {
-            "hidden_states": aux.reshape(t, aux.shape[1] * h).to(self.hidden_states_dtype),
-            "verifier_last_hidden_states": hs[:, n_layers - 1].to(self.hidden_states_dtype),
+            "hidden_states": hs[:, : n - 1].reshape(t, (n - 1) * h).to(self.hidden_states_dtype),
+            "verifier_last_hidden_states": hs[:, n - 1].to(self.hidden_states_dtype),
             "input_ids": smp["input_ids"].long(),
             "loss_mask": smp["loss_mask"].bool(),
         }
