@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .precision import resolve_dtype
@@ -120,3 +121,45 @@ def shutdown_llm(llm) -> None:
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is not None:
         core.shutdown()
+
+
+def feed_engine(
+    engine,
+    chunks: Iterable[int],
+    add_chunk: Callable[[int], None],
+    on_finished: Callable[[Any], None],
+    *,
+    queued: int,
+    poll: Callable[[], None] | None = None,
+) -> None:
+    """Drive a vLLM ``LLMEngine`` over resumable chunks, keeping its batch full.
+
+    ``add_chunk(i)`` adds chunk ``i``'s requests (``engine.add_request``); it is called for the
+    next index from ``chunks`` whenever fewer than ``queued`` requests are unfinished, so the
+    running batch never drains between chunks (``LLM.generate`` per chunk would drain it at
+    each chunk's end). Then ``engine.step()`` runs, as ``LLM.generate`` drives it, and
+    ``on_finished(output)`` is called for each finished ``RequestOutput``. ``poll()``, if
+    given, runs before each step (e.g. to stop early on a failure the engine reported
+    elsewhere). Returns when ``chunks`` is exhausted and no request is unfinished.
+
+    Args:
+        engine: ``vllm.LLM(...).llm_engine``.
+        chunks: chunk indices, e.g. a data-parallel replicas' shared queue.
+        queued: unfinished requests to keep in the engine (requests, not tokens).
+    """
+    chunks = iter(chunks)
+    more = True
+    while True:
+        while more and engine.get_num_unfinished_requests() < queued:
+            i = next(chunks, None)
+            if i is None:
+                more = False
+                break
+            add_chunk(i)
+        if not engine.has_unfinished_requests():
+            break
+        if poll is not None:
+            poll()
+        for out in engine.step():
+            if out.finished:
+                on_finished(out)

@@ -211,7 +211,7 @@ def generate_chunks(
     When the last request of a chunk finishes, ``on_chunk(i, ShardResult)`` is called with the
     chunk's traces in input (prompt-id) order and its rejects; chunks complete roughly in the
     order they were taken. The engine is driven as ``LLM.generate`` drives it
-    (``LLMEngine.add_request`` with ``RequestOutputKind.FINAL_ONLY``, then ``step``).
+    (``RequestOutputKind.FINAL_ONLY`` requests, :func:`eagle3_pipeline.engine.feed_engine`).
 
     Args:
         llm: a ``vllm.LLM``.
@@ -234,14 +234,13 @@ def generate_chunks(
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
+    from .engine import feed_engine
+
     sampling = {k: gen_cfg[k] for k in ("temperature", "top_p", "top_k", "max_tokens")}
     split = make_reasoning_splitter(gen_cfg, tokenizer)
     eng = llm.llm_engine
-    limit = queued_requests(llm)
     # chunk index -> [requests, finished outputs by position, rejects]
     open_chunks: dict[int, tuple[list, dict, list]] = {}
-    chunks = iter(chunks)
-    more = True
     tokens = 0
     bar = progress(total=len(records) if total is None else total, desc="generate", unit="prompt")
     timer = Timer()
@@ -281,42 +280,37 @@ def generate_chunks(
             )
         on_chunk(i, res)
 
+    def add_chunk(i: int) -> None:
+        a, b = ranges[i]
+        todo, rejects = _requests(tokenizer, records[a:b], gen_cfg, max_seq_len)
+        open_chunks[i] = (todo, {}, rejects)
+        bar.update(len(rejects))
+        for k, (_rec, ids, mt) in enumerate(todo):
+            params = SamplingParams(
+                temperature=sampling["temperature"],
+                top_p=sampling["top_p"],
+                top_k=sampling["top_k"],
+                max_tokens=mt,
+                skip_special_tokens=gen_cfg["skip_special_tokens"],
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+            eng.add_request(f"{i}-{k}", TokensPrompt(prompt_token_ids=ids), params)
+        if not todo:
+            finish(i)
+
+    def on_finished(out) -> None:
+        nonlocal tokens
+        i, k = map(int, out.request_id.split("-"))
+        outs = open_chunks[i][1]
+        outs[k] = out
+        tokens += sum(len(c.token_ids) for c in out.outputs)
+        bar.update(1)
+        if len(outs) == len(open_chunks[i][0]):
+            bar.set_postfix_str(f"{tokens / max(timer.seconds, 1e-9):.0f} completion tok/s", refresh=False)
+            finish(i)
+
     try:
-        while True:
-            while more and eng.get_num_unfinished_requests() < limit:
-                i = next(chunks, None)
-                if i is None:
-                    more = False
-                    break
-                a, b = ranges[i]
-                todo, rejects = _requests(tokenizer, records[a:b], gen_cfg, max_seq_len)
-                open_chunks[i] = (todo, {}, rejects)
-                bar.update(len(rejects))
-                for k, (_rec, ids, mt) in enumerate(todo):
-                    params = SamplingParams(
-                        temperature=sampling["temperature"],
-                        top_p=sampling["top_p"],
-                        top_k=sampling["top_k"],
-                        max_tokens=mt,
-                        skip_special_tokens=gen_cfg["skip_special_tokens"],
-                        output_kind=RequestOutputKind.FINAL_ONLY,
-                    )
-                    eng.add_request(f"{i}-{k}", TokensPrompt(prompt_token_ids=ids), params)
-                if not todo:
-                    finish(i)
-            if not eng.has_unfinished_requests():
-                break
-            for out in eng.step():
-                if not out.finished:
-                    continue
-                i, k = map(int, out.request_id.split("-"))
-                outs = open_chunks[i][1]
-                outs[k] = out
-                tokens += sum(len(c.token_ids) for c in out.outputs)
-                bar.update(1)
-                if len(outs) == len(open_chunks[i][0]):
-                    bar.set_postfix_str(f"{tokens / max(timer.seconds, 1e-9):.0f} completion tok/s", refresh=False)
-                    finish(i)
+        feed_engine(eng, chunks, add_chunk, on_finished, queued=queued_requests(llm))
     finally:
         bar.close()
     if open_chunks:  # the engine has no request left for them: a bug, never a silent loss

@@ -318,7 +318,7 @@ def _vllm_extraction_replica(job: dict, rank: int, chunks) -> None:
     """
     from vllm import SamplingParams, TokensPrompt
 
-    from .engine import build_llm, shutdown_llm
+    from .engine import build_llm, feed_engine, shutdown_llm
     from .hidden_states import DONE_SUFFIX
     from .hygiene import ProcessRecord
     from .io import write_json_atomic
@@ -353,40 +353,38 @@ def _vllm_extraction_replica(job: dict, rank: int, chunks) -> None:
         unit="tok",
         unit_scale=True,
     )
-    chunks = iter(chunks)
-    more = True
     outstanding: list[Path] = []  # chunks submitted and not yet marked done
     next_check = time.monotonic() + 1.0
+
+    def add_chunk(i: int) -> None:
+        a, b = ranges[i]
+        marker = store.path(i)
+        write_chunk_spec(marker, samples[a:b], shard=job["shard_file"], rows=rows[a:b], layer_ids=job["layer_ids"])
+        for k, smp in enumerate(samples[a:b]):
+            params = SamplingParams(
+                max_tokens=1,
+                temperature=0.0,
+                detokenize=False,
+                extra_args={"kv_transfer_params": {"hidden_states_path": route(marker, k)}},
+            )
+            engine.add_request(f"{i}-{k}", TokensPrompt(prompt_token_ids=smp.input_ids.tolist()), params)
+        written.append(marker)
+        outstanding.append(marker)
+
+    def poll() -> None:  # stop early when the engine failed to store a chunk
+        nonlocal outstanding, next_check
+        if time.monotonic() > next_check:
+            outstanding = unwritten_chunks(outstanding)
+            next_check = time.monotonic() + 1.0
+
+    def on_finished(out) -> None:
+        nonlocal tokens
+        n = len(out.prompt_token_ids)
+        tokens += n
+        bar.update(n)
+
     try:
-        while True:
-            while more and engine.get_num_unfinished_requests() < QUEUED_REQUESTS:
-                i = next(chunks, None)
-                if i is None:
-                    more = False
-                    break
-                a, b = ranges[i]
-                marker = store.path(i)
-                write_chunk_spec(marker, samples[a:b], shard=job["shard_file"], rows=rows[a:b], layer_ids=job["layer_ids"])
-                for k, smp in enumerate(samples[a:b]):
-                    params = SamplingParams(
-                        max_tokens=1,
-                        temperature=0.0,
-                        detokenize=False,
-                        extra_args={"kv_transfer_params": {"hidden_states_path": route(marker, k)}},
-                    )
-                    engine.add_request(f"{i}-{k}", TokensPrompt(prompt_token_ids=smp.input_ids.tolist()), params)
-                written.append(marker)
-                outstanding.append(marker)
-            if not engine.has_unfinished_requests():
-                break
-            if time.monotonic() > next_check:  # stop early when the engine failed to store a chunk
-                outstanding = unwritten_chunks(outstanding)
-                next_check = time.monotonic() + 1.0
-            for out in engine.step():
-                if out.finished:
-                    n = len(out.prompt_token_ids)
-                    tokens += n
-                    bar.update(n)
+        feed_engine(engine, chunks, add_chunk, on_finished, queued=QUEUED_REQUESTS, poll=poll)
         prefill_s = run.seconds
         t = time.perf_counter()
         wait_for_chunks(written, timeout_s=WRITE_TIMEOUT_S)
