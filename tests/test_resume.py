@@ -91,6 +91,33 @@ def test_killed_extraction_resumes_to_identical_output(tmp_path, traces, target_
         assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.loss_mask, b.loss_mask)
 
 
+def test_a_shard_finished_by_a_job_that_outlived_its_snakemake_is_kept(tmp_path, traces, target_dir, reference_extraction, monkeypatch):
+    """snakemake killed alone leaves its job running with the host-wide lock; the rerun's job waits, and
+    counts chunks only once the lock is its own: it keeps the shard the other job finished meanwhile."""
+    import shutil
+    import time
+
+    from eagle3_pipeline.hygiene import host_lock
+
+    monkeypatch.setenv("EAGLE3_LOCK_DIR", str(tmp_path / "locks"))
+    head = f"import logging, sys\nsys.path.insert(0, {str(ROOT / 'workflow_scripts')!r})\nlogging.basicConfig(level=logging.INFO)\n"
+    script = head + "if __name__ == '__main__':\n" + textwrap.indent(textwrap.dedent(extract_code(traces, tmp_path, target_dir)), "    ")
+    with host_lock(), open(tmp_path / "err.txt", "w") as err:  # the other job holds the lock
+        job = subprocess.Popen([sys.executable, "-c", script], env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=err, cwd=tmp_path)
+        deadline = time.monotonic() + 120
+        while "waiting for the host-wide full-model lock" not in (tmp_path / "err.txt").read_text():
+            assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "err.txt").read_text()[-2000:]
+            time.sleep(0.5)
+        for name in ("shard-00000.safetensors", "shard-00000.index.json"):  # the other job finishes the shard
+            shutil.copy2(reference_extraction / name, tmp_path / name)
+    assert job.wait(timeout=300) == 0, (tmp_path / "err.txt").read_text()[-3000:]
+    log = (tmp_path / "err.txt").read_text()
+    assert "finished by another job of this shard while this one waited for the host-wide lock; keeping its output" in log
+    for name in ("shard-00000.safetensors", "shard-00000.index.json"):  # not extracted again (its timings would differ)
+        assert (tmp_path / name).read_bytes() == (reference_extraction / name).read_bytes()
+    assert not (tmp_path / ".shard-00000.safetensors.partial").exists()
+
+
 @pytest.mark.e2e
 def test_killed_generation_resumes_to_identical_traces(tmp_path, target_dir):
     prompts = tmp_path / "prompts.jsonl"

@@ -453,8 +453,10 @@ def run_generation_shard(
     Prompts (in id order) are generated in chunks of ``chunk_prompts``; each finished
     chunk is kept (:mod:`eagle3_pipeline.resume`), so a killed job's rerun generates
     only the unfinished chunks and the final traces are identical to an uninterrupted
-    run's (same order; greedy decoding or an engine seed). The engines are started only
-    when chunks remain, under the host-wide full-model lock. With
+    run's (same order; greedy decoding or an engine seed). Chunks are counted, and the engines
+    started only when some remain, under the host-wide full-model lock; a shard that another
+    job of it finished while this one waited for the lock is kept
+    (:func:`eagle3_pipeline.resume.finished_by_another_job`). With
     ``vllm.data_parallel_size = D > 1``, D engine replicas (each on tensor × pipeline
     parallel GPUs) share the chunks (:mod:`eagle3_pipeline.parallel`).
 
@@ -479,7 +481,7 @@ def run_generation_shard(
     from .hygiene import check_gpus_free, cleanup_stale_processes, host_lock
     from .io import read_jsonl, sha256_file, sha256_json, write_json_atomic, write_jsonl_atomic
     from .parallel import replica_stats, run_replicas
-    from .resume import ChunkStore, chunk_ranges, todo_chunks
+    from .resume import ChunkStore, chunk_ranges, finished_by_another_job, todo_chunks
     from .runtime import Timer, peak_memory
     from .target_model import model_fingerprint
 
@@ -488,15 +490,21 @@ def run_generation_shard(
     # data_parallel_size does not change the traces: a resume may use another one.
     fp_params = {**params, "vllm": {k: v for k, v in params["vllm"].items() if k != "data_parallel_size"}}
     fingerprint = sha256_json({"prompts": sha256_file(prompts_path), "model": model, "params": fp_params, "chunk": chunk_prompts})
-    store = ChunkStore(out["traces"], fingerprint, ".jsonl")
-    for old in store.dir.glob("replica-*.json"):
-        old.unlink()
-    ranges = chunk_ranges(len(records), chunk_prompts)
-    todo = todo_chunks(store, ranges)
-    vcfg = params["vllm"]
-    wall = Timer()
-    if todo:
-        with host_lock(enabled=host_lock_enabled):
+    with host_lock(enabled=host_lock_enabled):
+        # Chunks are counted only once the lock is ours: the job of an earlier snakemake that
+        # was killed alone lives on, holds the lock, and may finish this shard and remove its
+        # chunks while this job waits.
+        done = finished_by_another_job(out["summary"], [out["traces"], out["rejects"]], fingerprint)
+        if done is not None:
+            return done
+        store = ChunkStore(out["traces"], fingerprint, ".jsonl")
+        for old in store.dir.glob("replica-*.json"):
+            old.unlink()
+        ranges = chunk_ranges(len(records), chunk_prompts)
+        todo = todo_chunks(store, ranges)
+        vcfg = params["vllm"]
+        wall = Timer()
+        if todo:
             cleanup_stale_processes(Path(out["traces"]).parents[1] / ".pids")
             check_gpus_free()
             job = {
@@ -514,38 +522,39 @@ def run_generation_shard(
                 vcfg["data_parallel_size"],
                 vcfg["tensor_parallel_size"] * vcfg["pipeline_parallel_size"],
             )
-    wall_s = wall.seconds
-    stats = replica_stats(store.dir)
-    result = ShardResult()
-    for i in range(len(ranges)):
-        for x in read_jsonl(store.path(i)):
-            if "trace" in x:
-                result.traces.append(x["trace"])
-            else:
-                result.rejects.append(Reject(**x["reject"]))
-    result.traces.sort(key=lambda t: t["id"])
-    result.check_usable()
-    write_jsonl_atomic(out["rejects"], (r.as_dict() for r in result.rejects))
-    write_jsonl_atomic(out["traces"], result.traces)
-    gen_s = stats.get("generate_seconds", 0.0)
-    summary = (
-        result.summary()
-        | {
-            "chunks": len(ranges),
-            "chunks_resumed": len(ranges) - len(todo),
-            "data_parallel_size": vcfg["data_parallel_size"],
-            "tensor_parallel_size": vcfg["tensor_parallel_size"],
-            "pipeline_parallel_size": vcfg["pipeline_parallel_size"],
-            "model_load_seconds": round(stats.get("model_load_seconds", 0.0), 3),
-            "generate_seconds": round(gen_s, 3),
-            "engine_wall_seconds": round(wall_s, 3) if todo else 0.0,
-            "completion_tokens_per_second": stats.get("completion_tokens", 0) / gen_s if gen_s else 0.0,
-            "replicas": stats.get("replicas", []),
-            "traces_sha256": sha256_file(out["traces"]),
-        }
-        | peak_memory()
-    )
-    write_json_atomic(out["summary"], summary)
-    store.remove()
+        wall_s = wall.seconds
+        stats = replica_stats(store.dir)
+        result = ShardResult()
+        for i in range(len(ranges)):
+            for x in read_jsonl(store.path(i)):
+                if "trace" in x:
+                    result.traces.append(x["trace"])
+                else:
+                    result.rejects.append(Reject(**x["reject"]))
+        result.traces.sort(key=lambda t: t["id"])
+        result.check_usable()
+        write_jsonl_atomic(out["rejects"], (r.as_dict() for r in result.rejects))
+        write_jsonl_atomic(out["traces"], result.traces)
+        gen_s = stats.get("generate_seconds", 0.0)
+        summary = (
+            result.summary()
+            | {
+                "chunks": len(ranges),
+                "chunks_resumed": len(ranges) - len(todo),
+                "data_parallel_size": vcfg["data_parallel_size"],
+                "tensor_parallel_size": vcfg["tensor_parallel_size"],
+                "pipeline_parallel_size": vcfg["pipeline_parallel_size"],
+                "model_load_seconds": round(stats.get("model_load_seconds", 0.0), 3),
+                "generate_seconds": round(gen_s, 3),
+                "engine_wall_seconds": round(wall_s, 3) if todo else 0.0,
+                "completion_tokens_per_second": stats.get("completion_tokens", 0) / gen_s if gen_s else 0.0,
+                "replicas": stats.get("replicas", []),
+                "traces_sha256": sha256_file(out["traces"]),
+                "fingerprint": fingerprint,
+            }
+            | peak_memory()
+        )
+        write_json_atomic(out["summary"], summary)
+        store.remove()
     logger.info("generation: %s", {k: v for k, v in summary.items() if k != "replicas"})
     return summary

@@ -777,7 +777,7 @@ def run_extraction_shard(
     from .hygiene import check_disk, check_gpus_free, cleanup_stale_processes, hidden_state_bytes, host_lock
     from .io import read_jsonl
     from .parallel import replica_stats, run_replicas
-    from .resume import ChunkStore, chunk_ranges, todo_chunks
+    from .resume import ChunkStore, chunk_ranges, finished_by_another_job, todo_chunks
     from .runtime import peak_memory
     from .target_model import text_config
 
@@ -791,19 +791,25 @@ def run_extraction_shard(
         need += tokens * len(layer_ids) * 4 if dtype == FP8 else 0  # per-row scales
         check_disk(out_shard, need, what=f"extraction of {traces_path}", override_key="extraction.disk_preflight")
     fingerprint = extraction_fingerprint(traces_path, target, cfg, max_seq_len)
-    # engines of a killed earlier job may still be writing into the partial shard: end them
-    # before counting its done chunks (and before the GPU check below)
-    cleanup_stale_processes(Path(out_shard).parents[1] / ".pids")
-    store = ChunkStore(out_shard, fingerprint, DONE_SUFFIX)
-    for old in store.dir.glob("replica-*.json"):
-        old.unlink()
-    layout = {"layer_ids": layer_ids, "aux_layer_ids": aux, "hidden_size": tcfg.hidden_size, "storage_dtype": dtype}
-    shard_file = prepare_partial_shard(store, samples, **layout)
-    ranges = chunk_ranges(len(samples), cfg["chunk_samples"])
-    todo = todo_chunks(store, ranges)
-    replicas = cfg.get("data_parallel_size") or 1
-    if todo:
-        with host_lock(enabled=host_lock_enabled):
+    with host_lock(enabled=host_lock_enabled):
+        # Chunks are counted only once the lock is ours: the job of an earlier snakemake that
+        # was killed alone lives on, holds the lock, and may finish this shard and remove its
+        # chunks while this job waits.
+        done = finished_by_another_job(out_index, [out_shard], fingerprint)
+        if done is not None:
+            return done
+        # engines of a killed earlier job may still be writing into the partial shard: end them
+        # before counting its done chunks (and before the GPU check below)
+        cleanup_stale_processes(Path(out_shard).parents[1] / ".pids")
+        store = ChunkStore(out_shard, fingerprint, DONE_SUFFIX)
+        for old in store.dir.glob("replica-*.json"):
+            old.unlink()
+        layout = {"layer_ids": layer_ids, "aux_layer_ids": aux, "hidden_size": tcfg.hidden_size, "storage_dtype": dtype}
+        shard_file = prepare_partial_shard(store, samples, **layout)
+        ranges = chunk_ranges(len(samples), cfg["chunk_samples"])
+        todo = todo_chunks(store, ranges)
+        replicas = cfg.get("data_parallel_size") or 1
+        if todo:
             check_gpus_free()
             job = {
                 "cfg": cfg,
@@ -825,24 +831,24 @@ def run_extraction_shard(
             else:
                 worker = _extraction_replica
             run_replicas(functools.partial(worker, job), todo, replicas, cfg.get("gpus_per_replica") or 1)
-    missing = sorted(set(range(len(ranges))) - set(store.finished()))
-    if missing:
-        raise RuntimeError(f"{out_shard}: chunk(s) {missing[:5]} were not extracted; rerun the job to resume")
-    stats = replica_stats(store.dir)
-    os.replace(shard_file, out_shard)
-    index = shard_index(out_shard, samples, layer_ids=layer_ids, aux_layer_ids=aux, index_path=None)
-    run_s = stats.get("extract_seconds", 0.0)
-    index |= {
-        "backend": cfg["backend"],
-        "chunks": len(ranges),
-        "chunks_resumed": len(ranges) - len(todo),
-        "data_parallel_size": replicas,
-        "model_load_seconds": round(stats.get("model_load_seconds", 0.0), 3),
-        "extract_seconds": round(run_s, 3),
-        "tokens_per_second": stats.get("tokens", 0) / run_s if run_s else 0.0,
-        "replicas": stats.get("replicas", []),
-    }
-    index |= peak_memory()
-    write_json_atomic(out_index, index)
-    store.remove()
-    return index
+        missing = sorted(set(range(len(ranges))) - set(store.finished()))
+        if missing:
+            raise RuntimeError(f"{out_shard}: chunk(s) {missing[:5]} were not extracted; rerun the job to resume")
+        stats = replica_stats(store.dir)
+        os.replace(shard_file, out_shard)
+        index = shard_index(out_shard, samples, layer_ids=layer_ids, aux_layer_ids=aux, index_path=None)
+        run_s = stats.get("extract_seconds", 0.0)
+        index |= {
+            "backend": cfg["backend"],
+            "chunks": len(ranges),
+            "chunks_resumed": len(ranges) - len(todo),
+            "data_parallel_size": replicas,
+            "model_load_seconds": round(stats.get("model_load_seconds", 0.0), 3),
+            "extract_seconds": round(run_s, 3),
+            "tokens_per_second": stats.get("tokens", 0) / run_s if run_s else 0.0,
+            "replicas": stats.get("replicas", []),
+        }
+        index |= peak_memory() | {"fingerprint": fingerprint}
+        write_json_atomic(out_index, index)
+        store.remove()
+        return index

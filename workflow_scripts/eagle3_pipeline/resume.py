@@ -104,6 +104,30 @@ def _fault(var: str) -> int | None:
     return int(v) if v else None
 
 
+def finished_by_another_job(record_path: str | os.PathLike, outputs: Sequence[str | os.PathLike], fingerprint: str) -> dict | None:
+    """The record (summary or index JSON) of a shard another process finished while this job waited.
+
+    Snakemake deletes a job's outputs before the job starts, so outputs present once the job
+    holds the host-wide lock were written since, by a job of the same shard that outlived its
+    snakemake (killed alone). They are this job's result when ``record_path`` names the same
+    ``fingerprint`` (inputs and settings) and every path of ``outputs`` exists.
+
+    Returns:
+        the record, or None when this job has to do the work.
+    """
+    rec = Path(record_path)
+    if not rec.is_file() or not all(Path(p).exists() for p in outputs):
+        return None
+    try:
+        record = json.loads(rec.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("fingerprint") != fingerprint:
+        return None
+    logger.info("%s: finished by another job of this shard while this one waited for the host-wide lock; keeping its output", rec)
+    return record
+
+
 def chunk_ranges(n: int, chunk_size: int) -> list[tuple[int, int]]:
     """``[(start, end), ...]`` covering ``range(n)`` in chunks of ``chunk_size`` (last may be shorter)."""
     return [(s, min(s + chunk_size, n)) for s in range(0, n, chunk_size)]
