@@ -280,8 +280,12 @@ check_config_against_target()
 
 
 def get_final_outputs():
-    """What a run makes: tau, the run summary, the report's figures (rule plot_run) and the run manifest."""
+    """What a run makes: the drafter, tau, the run summary, the report's figures (rule plot_run) and
+    the run manifest. The drafter is named itself so that a run whose drafter is missing (an
+    interrupted `--forcerun train_drafter`) trains it again rather than report nothing to do.
+    """
     return [
+        f"results/{RUN}/drafter",
         f"results/{RUN}/eval/acceptance.json",
         f"results/{RUN}/summary.json",
         *rules.plot_run.output,
@@ -428,9 +432,20 @@ def print_plan():
 
 
 def print_resume_hint():
-    """After a failed or interrupted run (onerror): what it keeps and that rerunning resumes."""
+    """After a failed or interrupted run (onerror): what it keeps and that rerunning resumes.
+
+    Not after `snakemake verify` alone: its failure names altered files, which a rerun does not mend.
+    """
     from eagle3_pipeline.resume import kept_work
 
+    try:
+        targets = {job.rule.name for job in workflow.dag.targetjobs}
+    except (
+        AttributeError
+    ):  # Snakemake internals (9.27.1: DAG.targetjobs) changed: print the hint
+        targets = set()
+    if targets == {"verify"}:
+        return
     try:
         kept = kept_work(f"results/{RUN}")
     except OSError as e:

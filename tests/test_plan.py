@@ -1,6 +1,7 @@
 """Run planning: work, time and disk per stage, from reference figures or this run's measurements."""
 
 import json
+import re
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
@@ -149,6 +150,11 @@ def test_a_training_that_resumes_from_its_checkpoint_is_planned_for_the_steps_le
     assert resumed.seconds < fresh.seconds == pytest.approx(2 * load + 2 * per_job / tps, abs=0.1)
     assert resumed.work["resumes_from"] == [{"step": 30, "total_steps": 120}]
     assert resumed.source.endswith("; resumes from checkpoint step 30/120")
+    # remade shards or vocabulary make the checkpoint stale: the whole training is planned
+    remade = _by_stage(
+        plan_run(cfg, None, tmp_path, [*jobs, {"rule": "extract_hidden_states", "wildcards": {"shard": "00000"}}], platform="cpu")[0]
+    )
+    assert remade["train_drafter"].tokens == fresh.tokens and "resumes_from" not in remade["train_drafter"].work
     # an unreadable checkpoint record plans the whole training again
     (ck / "progress.json").write_text("{")
     again = _by_stage(plan_run(cfg, None, tmp_path, jobs, platform="cpu")[0])["train_drafter"]
@@ -403,6 +409,21 @@ def test_plan_after_a_finished_run_foresees_what_a_changed_parameter_reruns(e2e_
     assert r.stderr.count("total (pending stages)") == 1
     assert "build_vocab_mapping x1" in r.stderr
     assert start_plans(res) == starts  # `snakemake plan` keeps no start plan
+
+
+def test_a_missing_drafter_is_trained_again_though_tau_exists(e2e_run):
+    """The drafter is a target of its own: gone (e.g. an interrupted --forcerun), the plain command retrains it."""
+    wd, cfg, res = e2e_run
+    r = snakemake_cli(wd, cfg, "-n", "--cores", "1", cwd=ROOT)
+    assert r.returncode == 0 and "Nothing to be done" in r.stdout + r.stderr
+    aside = res / "drafter.aside"
+    (res / "drafter").rename(aside)
+    try:
+        r = snakemake_cli(wd, cfg, "-n", "--cores", "1", cwd=ROOT)
+    finally:
+        aside.rename(res / "drafter")
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert re.search(r"^rule train_drafter:$", r.stdout, flags=re.M) and "Missing output files" in r.stdout + r.stderr
 
 
 def test_a_cpu_without_fast_bf16_is_planned_from_its_own_slower_figures(tmp_path, monkeypatch):

@@ -184,7 +184,7 @@ def test_kept_work_names_finished_chunks_and_training_checkpoints(tmp_path):
     assert kept_work(run) == [
         f"1 finished chunk(s) of {run / 'hidden_states' / 'shard-00000.safetensors'}",
         f"2 finished chunk(s) of {run / 'traces' / 'shard-00000.jsonl'}",
-        f"training checkpoint at step 61/122 in {ckpt}",
+        f"training checkpoint at step 61/122 in {ckpt} (used if the training's inputs and settings are unchanged)",
         f"training checkpoint in {bad} (progress.json unreadable)",
     ]
     assert kept_work(tmp_path / "nothing") == []

@@ -53,7 +53,9 @@ def test_killed_training_resumes_to_the_same_weights(tmp_path, target_dir):
     assert [int(x[0]) for x in saved] == [1, 2, 3] and len({x[1] for x in saved}) == 1
     total = int(saved[0][1])
     assert total == int(re.search(r"training: .* (\d+) steps \(", r.stderr).group(1))
-    assert kept_work(killed) == [f"training checkpoint at step 3/{total} in {killed / 'train' / '.checkpoint'}"]
+    assert kept_work(killed) == [
+        f"training checkpoint at step 3/{total} in {killed / 'train' / '.checkpoint'} (used if the training's inputs and settings are unchanged)"
+    ]
     # the rerun reads its batches with 2 loader processes (the others with none): same batches, same weights
     r = _train(killed, target_dir, loader_workers=2)
     assert r.returncode == 0, r.stderr[-3000:]

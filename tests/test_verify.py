@@ -57,6 +57,7 @@ def test_snakemake_verify_prints_its_summary_on_the_console(tmp_path):
     r = snakemake_cli(wd, cfg, "--cores", "1", targets=("verify",), cwd=ROOT)
     assert r.returncode != 0
     assert "verify FAILED: 2 problem(s) in 1 trace and 1 hidden-state shards" in r.stderr
+    assert "Rerun the same command to resume" not in r.stderr + r.stdout  # a rerun does not mend altered files
 
 
 def test_truncated_hidden_state_shard_is_named(tmp_path):

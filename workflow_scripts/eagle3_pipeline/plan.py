@@ -474,9 +474,23 @@ def plan_run(
         if st.pending and len(st.pending) < st.jobs:  # a resumed stage: only its pending jobs
             frac = len(st.pending) / st.jobs
             st.tokens, st.disk_bytes, st.seconds = int(st.tokens * frac), int(st.disk_bytes * frac), round(st.seconds * frac, 1)
-        if st.stage == "train_drafter" and st.pending:
+        # a checkpoint applies only to the same shards and vocabulary: none when they are remade
+        if st.stage == "train_drafter" and st.pending and not any(j["rule"] in REMAKES_TRAINING_INPUTS for j in jobs):
             _resume_from_checkpoints(st, run_dir)
     return stages, platform
+
+
+#: Rules whose rerun gives a training new inputs, so that its checkpoint no longer applies.
+REMAKES_TRAINING_INPUTS = frozenset(
+    {
+        "prepare_target_model",
+        "prepare_prompts",
+        "generate_traces",
+        "extract_hidden_states",
+        "build_vocab_mapping",
+        "build_vocab_mapping_variant",
+    }
+)
 
 
 def training_checkpoint_step(run_dir: str | Path, wildcards: dict) -> tuple[int, int] | None:
@@ -486,7 +500,9 @@ def training_checkpoint_step(run_dir: str | Path, wildcards: dict) -> tuple[int,
     sweep variant's (``{"variant": v}``) in ``sweep/<v>/train/.checkpoint/progress.json``
     (:class:`eagle3_pipeline.training.TrainCheckpoint`). None when there is none or it is
     unreadable. Whether the checkpoint still applies (same inputs and settings), only the
-    training job decides; a stale one makes the plan too short.
+    training job decides: :func:`plan_run` ignores checkpoints when a rule of
+    :data:`REMAKES_TRAINING_INPUTS` is pending, and a changed training setting (which reruns
+    nothing upstream) still makes the plan too short.
     """
     d = Path(run_dir)
     if wildcards.get("variant"):

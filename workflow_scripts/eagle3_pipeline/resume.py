@@ -169,7 +169,9 @@ def kept_work(run_dir: str | os.PathLike) -> list[str]:
     for meta in sorted(root.rglob(".checkpoint/progress.json")):
         try:
             m = json.loads(meta.read_text(encoding="utf-8"))
-            lines.append(f"training checkpoint at step {m['step']}/{m['total_steps']} in {meta.parent}")
+            lines.append(
+                f"training checkpoint at step {m['step']}/{m['total_steps']} in {meta.parent} (used if the training's inputs and settings are unchanged)"
+            )
         except (OSError, ValueError, KeyError, TypeError):
             lines.append(f"training checkpoint in {meta.parent} (progress.json unreadable)")
     return lines
