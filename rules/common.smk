@@ -438,11 +438,10 @@ def print_resume_hint():
     """
     from eagle3_pipeline.resume import kept_work
 
+    # Snakemake internals (9.27.1: DAG.targetjobs); if they change, the hint is printed
     try:
         targets = {job.rule.name for job in workflow.dag.targetjobs}
-    except (
-        AttributeError
-    ):  # Snakemake internals (9.27.1: DAG.targetjobs) changed: print the hint
+    except AttributeError:
         targets = set()
     if targets == {"verify"}:
         return

@@ -504,15 +504,12 @@ def training_checkpoint_step(run_dir: str | Path, wildcards: dict) -> tuple[int,
     :data:`REMAKES_TRAINING_INPUTS` is pending, and a changed training setting (which reruns
     nothing upstream) still makes the plan too short.
     """
+    from .resume import checkpoint_progress
+
     d = Path(run_dir)
     if wildcards.get("variant"):
         d = d / "sweep" / wildcards["variant"]
-    m = _read(d / "train" / ".checkpoint" / "progress.json")
-    try:
-        step, total = int(m["step"]), int(m["total_steps"])
-    except (TypeError, KeyError, ValueError):
-        return None
-    return (step, total) if 0 <= step <= total and total > 0 else None
+    return checkpoint_progress(d / "train" / ".checkpoint")
 
 
 def _resume_from_checkpoints(st: StageEstimate, run_dir: str | Path) -> None:

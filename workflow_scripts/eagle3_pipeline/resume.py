@@ -167,11 +167,22 @@ def kept_work(run_dir: str | os.PathLike) -> list[str]:
         n = sum(bool(re.fullmatch(r"chunk-\d{6}\.[a-z]+", p.name)) for p in d.iterdir())  # not specs, temp files
         lines.append(f"{n} finished chunk(s) of {final}")
     for meta in sorted(root.rglob(".checkpoint/progress.json")):
-        try:
-            m = json.loads(meta.read_text(encoding="utf-8"))
-            lines.append(
-                f"training checkpoint at step {m['step']}/{m['total_steps']} in {meta.parent} (used if the training's inputs and settings are unchanged)"
-            )
-        except (OSError, ValueError, KeyError, TypeError):
+        ck = checkpoint_progress(meta.parent)
+        if ck is None:
             lines.append(f"training checkpoint in {meta.parent} (progress.json unreadable)")
+        else:
+            lines.append(
+                f"training checkpoint at step {ck[0]}/{ck[1]} in {meta.parent} (used if the training's inputs and settings are unchanged)"
+            )
     return lines
+
+
+def checkpoint_progress(checkpoint_dir: str | os.PathLike) -> tuple[int, int] | None:
+    """``(step, total_steps)`` from a training checkpoint's ``progress.json``
+    (:class:`eagle3_pipeline.training.TrainCheckpoint`), or None when missing or unreadable."""
+    try:
+        m = json.loads((Path(checkpoint_dir) / "progress.json").read_text(encoding="utf-8"))
+        step, total = int(m["step"]), int(m["total_steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return (step, total) if 0 <= step <= total and total > 0 else None
