@@ -52,22 +52,25 @@ if _X["gpus_per_replica"] is None:
     _X["gpus_per_replica"] = _ENGINE_GPUS
 _OVERRIDE_GPUS = config["resources"]["full_model_gpus"]
 # GPUs each full-model job uses (its `gpu` resource; --gpus on SLURM).
+# vllm.replicas_per_gpu engines share each GPU (one-GPU engines only: config validation).
+_PER_GPU = _V["replicas_per_gpu"]
+_X_PER_GPU = _PER_GPU if _X["backend"] == "vllm" else 1
 GENERATION_GPUS = (
     _OVERRIDE_GPUS
     if _OVERRIDE_GPUS is not None
-    else _V["data_parallel_size"] * _ENGINE_GPUS
+    else -(-_V["data_parallel_size"] // _PER_GPU) * _ENGINE_GPUS
 )
 EXTRACTION_GPUS = (
     _OVERRIDE_GPUS
     if _OVERRIDE_GPUS is not None
-    else _X["data_parallel_size"] * _X["gpus_per_replica"]
+    else -(-_X["data_parallel_size"] // _X_PER_GPU) * _X["gpus_per_replica"]
 )
 EVALUATION_GPUS = _OVERRIDE_GPUS if _OVERRIDE_GPUS is not None else _ENGINE_GPUS
 TRAIN_PROCESSES = max(1, config["resources"]["train_gpus"])
 # Params without the data-parallel sizes: how many replicas share a job's chunks does not
 # change what the job writes, so changing it must not rerun the job (the scripts read the
 # sizes from the config). Tensor/pipeline parallel sizes stay params: they change numerics.
-_DP_KEYS = ("data_parallel_size", "gpus_per_replica")
+_DP_KEYS = ("data_parallel_size", "gpus_per_replica", "replicas_per_gpu")
 VLLM_PARAMS = {k: v for k, v in _V.items() if k not in _DP_KEYS}
 EXTRACTION_PARAMS = {k: v for k, v in _X.items() if k not in _DP_KEYS}
 if _X["backend"] == "vllm":

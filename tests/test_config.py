@@ -90,3 +90,11 @@ def test_reserved_run_name_is_a_clear_error():
 
     with pytest.raises(ConfigError, match=r"run: 'results' is reserved"):
         validate_config({"run": "results"})
+
+
+def test_replicas_per_gpu_needs_one_gpu_engines():
+    assert validate_config({"vllm": {"replicas_per_gpu": 2}})["vllm"]["replicas_per_gpu"] == 2
+    with pytest.raises(
+        ConfigError, match=r"vllm.replicas_per_gpu 2 shares a GPU .* tensor_parallel_size x pipeline_parallel_size = 2 GPUs"
+    ):
+        validate_config({"vllm": {"replicas_per_gpu": 2, "tensor_parallel_size": 2}})

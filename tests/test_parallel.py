@@ -26,6 +26,49 @@ def test_replicas_get_consecutive_gpu_slices():
         replica_devices(2, 2, ["0", "1"])
 
 
+def test_replicas_per_gpu_share_each_gpu_in_turn():
+    assert replica_devices(4, 1, ["0", "1"], 2) == ["0", "0", "1", "1"]
+    assert replica_devices(3, 1, ["2", "5"], 2) == ["2", "2", "5"]
+    assert replica_devices(3, 1, ["0"], 3) == ["0", "0", "0"]
+    assert replica_devices(2, 1, [], 2) == [None, None]
+    with pytest.raises(ValueError, match=r"data_parallel_size 5 \(2 per GPU\) x 1 GPU\(s\) per replica needs 3 GPUs, but this job sees 2"):
+        replica_devices(5, 1, ["0", "1"], 2)
+    with pytest.raises(ValueError, match=r"a replica uses 2 GPUs \(tensor x pipeline parallel\); set vllm.replicas_per_gpu to 1"):
+        replica_devices(2, 2, ["0", "1", "2", "3"], 2)
+
+
+def _record_engine_start(out_dir: str, rank: int, items) -> None:
+    """A worker that 'starts an engine' (0.4 s inside engine_start_turn) and records when and with what share."""
+    import time
+
+    from eagle3_pipeline.parallel import engine_start_turn, memory_share
+
+    with engine_start_turn():
+        t0 = time.monotonic()
+        time.sleep(0.4)
+        t1 = time.monotonic()
+    Path(out_dir, f"rank-{rank}.json").write_text(
+        json.dumps(
+            {"start": t0, "end": t1, "share": memory_share(0.9), "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "items": list(items)}
+        )
+    )
+
+
+@pytest.mark.parametrize("per_gpu", [1, 2])
+def test_engines_sharing_a_gpu_start_one_at_a_time(tmp_path, monkeypatch, per_gpu):
+    """Two replicas on one GPU: engine starts never overlap and each takes half the memory share."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0" if per_gpu == 2 else "0,1")  # replicas do not touch CUDA
+    run_replicas(functools.partial(_record_engine_start, str(tmp_path)), list(range(6)), 2, 1, per_gpu)
+    recs = sorted((json.loads(p.read_text()) for p in tmp_path.glob("rank-*.json")), key=lambda r: r["start"])
+    assert len(recs) == 2 and sorted(i for r in recs for i in r["items"]) == list(range(6))
+    if per_gpu == 2:
+        assert [r["gpu"] for r in recs] == ["0", "0"] and [r["share"] for r in recs] == [0.45, 0.45]
+        assert recs[1]["start"] >= recs[0]["end"]  # the second engine started after the first was up
+    else:
+        assert sorted(r["gpu"] for r in recs) == ["0", "1"] and [r["share"] for r in recs] == [0.9, 0.9]
+        assert recs[1]["start"] < recs[0]["end"]  # own GPUs: engines start side by side
+
+
 def test_visible_gpus_honours_cuda_visible_devices(monkeypatch, tmp_path):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     assert visible_gpus() == ["3", "5"]
@@ -182,7 +225,7 @@ def test_too_few_packs_for_the_processes_is_a_clear_error(train_inputs, target_d
 
 @pytest.mark.e2e
 def test_data_parallel_generation_equals_one_engine(tmp_path, target_dir):
-    """Two vLLM engine replicas (CPU) sharing the chunks write the traces one engine writes (greedy)."""
+    """Two vLLM engine replicas (CPU, started in turn) sharing the chunks write the traces one engine writes (greedy)."""
     from eagle3_pipeline.generation import run_generation_shard
     from eagle3_pipeline.io import read_jsonl
     from eagle3_pipeline.prompts import build_prompt_set
@@ -196,13 +239,14 @@ def test_data_parallel_generation_equals_one_engine(tmp_path, target_dir):
         out = {k: str(tmp_path / f"dp{dp}.{k}.jsonl") for k in ("traces", "rejects", "summary")}
         params = {
             "generation": cfg["generation"],
-            "vllm": {**cfg["vllm"], "data_parallel_size": dp},
+            # the two replicas also share "a GPU" (replicas_per_gpu): their engines start one at a time
+            "vllm": {**cfg["vllm"], "data_parallel_size": dp, "replicas_per_gpu": dp},
             "seed": 0,
             "max_seq_len": 2048,
             "trust_remote_code": False,
         }
         summary = run_generation_shard(str(prompts), out, str(target_dir), params, chunk_prompts=3)
-        assert summary["data_parallel_size"] == dp and len(summary["replicas"]) == dp
+        assert summary["data_parallel_size"] == summary["replicas_per_gpu"] == dp and len(summary["replicas"]) == dp
         traces[dp] = list(read_jsonl(out["traces"]))
     # the replicas share the chunks through a queue: together they did both, whoever took which
     assert sum(r["chunks"] for r in summary["replicas"]) == 2

@@ -84,6 +84,16 @@ def test_vllm_extraction_replica_is_one_engine(tmp_path):
     assert re.search(r"rule extract_hidden_states:(?:(?!rule ).)*gpu=2", r.stdout, flags=re.S)
 
 
+def test_replicas_sharing_gpus_ask_for_fewer_gpus(tmp_path):
+    """data_parallel_size 4 with 2 replicas per GPU: generation and vllm extraction jobs take 2 GPUs."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"extraction": {"backend": "vllm"}, "vllm": {"data_parallel_size": 4, "replicas_per_gpu": 2}}))
+    r = snakemake("-n", "--cores", "1", "--configfile", str(cfg), "-d", str(tmp_path / "wd"), "-s", str(ROOT / "Snakefile"))
+    assert r.returncode == 0, r.stderr + r.stdout
+    for rule in ("generate_traces", "extract_hidden_states"):
+        assert re.search(rf"rule {rule}:(?:(?!rule ).)*gpu=2,", r.stdout, flags=re.S), rule
+
+
 def test_missing_target_dir_is_a_clear_error(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({"target": {"path": str(tmp_path / "nope")}}))

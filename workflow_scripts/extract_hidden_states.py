@@ -17,7 +17,11 @@ if __name__ == "__main__":
         sm.output.index,
         sm.input.target,
         # replicas and GPUs per replica come from the config: not params, so changing them reruns nothing
-        {**sm.params.extraction, **{k: sm.config["extraction"][k] for k in ("data_parallel_size", "gpus_per_replica")}},
+        {
+            **sm.params.extraction,
+            **{k: sm.config["extraction"][k] for k in ("data_parallel_size", "gpus_per_replica")},
+            "replicas_per_gpu": sm.config["vllm"]["replicas_per_gpu"],
+        },
         max_seq_len=sm.params.max_seq_len,
         trust_remote_code=sm.params.trust_remote_code,
         host_lock_enabled=sm.config["resources"]["host_lock"],  # config, not a param: no rerun when it changes

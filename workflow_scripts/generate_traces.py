@@ -13,8 +13,8 @@ if __name__ == "__main__":
         sm.input.target,
         {
             "generation": p.generation,
-            # the data-parallel size is read from the config: not a param, so changing it reruns nothing
-            "vllm": {**p.vllm, "data_parallel_size": sm.config["vllm"]["data_parallel_size"]},
+            # the data-parallel layout is read from the config: not a param, so changing it reruns nothing
+            "vllm": {**p.vllm, **{k: sm.config["vllm"][k] for k in ("data_parallel_size", "replicas_per_gpu")}},
             "seed": p.seed,
             "max_seq_len": p.max_seq_len,
             "trust_remote_code": p.trust_remote_code,

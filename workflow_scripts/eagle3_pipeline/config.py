@@ -105,7 +105,8 @@ def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) 
 
     Raises:
         ConfigError: listing each violation as ``<key path>: <message>``, e.g.
-            ``training.lrr: Additional properties are not allowed ('lrr' was unexpected)``.
+            ``training.lrr: Additional properties are not allowed ('lrr' was unexpected)``,
+            or a reserved run name, or ``vllm.replicas_per_gpu`` > 1 with a multi-GPU engine.
     """
     schema = load_schema(schema_path)
     cfg = copy.deepcopy(config) if config else {}
@@ -122,5 +123,12 @@ def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) 
         raise ConfigError(
             f"invalid configuration: run: {cfg['run']!r} is reserved (benchmarks/{cfg['run']}/ would mix with "
             "benchmarks/results/, which holds the recorded figures); choose another run name"
+        )
+    v = cfg["vllm"]
+    if v["replicas_per_gpu"] > 1 and v["tensor_parallel_size"] * v["pipeline_parallel_size"] > 1:
+        raise ConfigError(
+            f"invalid configuration: vllm.replicas_per_gpu {v['replicas_per_gpu']} shares a GPU between engines, "
+            f"but one engine spans tensor_parallel_size x pipeline_parallel_size = "
+            f"{v['tensor_parallel_size'] * v['pipeline_parallel_size']} GPUs; set replicas_per_gpu to 1"
         )
     return cfg

