@@ -197,6 +197,17 @@ def test_a_gpu_plan_uses_the_reference_nearest_the_target_in_size(tmp_path):
     assert g.source.endswith("; rough: scaled from another target size")
 
 
+def test_replicas_sharing_a_gpu_are_scaled_linearly_and_say_so(tmp_path):
+    cfg = validate_config({"prompts": {"max_prompts": 100}, "vllm": {"data_parallel_size": 2, "replicas_per_gpu": 2}})
+    ref = reference_for("cuda", BUILTIN_SHAPE["params"])
+    p = _by_stage(make_plan(cfg, BUILTIN_SHAPE, tmp_path, "cuda"))
+    g = p["generate_traces"]
+    assert g.tokens_per_second == pytest.approx(2 * ref["generate_traces"]["tokens_per_second"])
+    assert g.source.endswith("x 2 replicas; rough: replicas scaled linearly, sharing GPUs")
+    # the hf extraction backend does not share GPUs (replicas_per_gpu is vLLM's)
+    assert p["extract_hidden_states"].source.endswith("x 2 replicas; rough: replicas scaled linearly")
+
+
 TINY_SNAKEFILE = """
 rule all:
     input: expand("b/{s}.txt", s=["0", "1"])
