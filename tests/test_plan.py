@@ -206,6 +206,9 @@ def test_replicas_sharing_a_gpu_are_scaled_linearly_and_say_so(tmp_path):
     assert g.source.endswith("x 2 replicas; rough: replicas scaled linearly, sharing GPUs")
     # the hf extraction backend does not share GPUs (replicas_per_gpu is vLLM's)
     assert p["extract_hidden_states"].source.endswith("x 2 replicas; rough: replicas scaled linearly")
+    # a CPU machine has no GPUs to share
+    c = _by_stage(make_plan(cfg, BUILTIN_SHAPE, tmp_path, "cpu"))["generate_traces"]
+    assert c.source.endswith("x 2 replicas; rough: replicas scaled linearly")
 
 
 TINY_SNAKEFILE = """

@@ -289,7 +289,7 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
         # caveats where they apply: a GPU figure scaled to another size, parallelism the reference did not have
         caveats = ["scaled from another target size"] if not cpu and round(s, 3) != 1 else []
         caveats += ["tensor/pipeline parallel not modelled"] if engine_gpus > 1 else []
-        shared = d_ > 1 and cfg["vllm"].get("replicas_per_gpu", 1) > 1 and (stage == "generate_traces" or backend == "vllm")
+        shared = not cpu and d_ > 1 and cfg["vllm"].get("replicas_per_gpu", 1) > 1 and (stage == "generate_traces" or backend == "vllm")
         caveats += [f"replicas scaled linearly{', sharing GPUs' if shared else ''}"] if d_ > 1 else []
         note += f"; rough: {', '.join(caveats)}" if caveats else ""
         return (
