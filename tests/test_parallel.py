@@ -38,35 +38,78 @@ def test_replicas_per_gpu_share_each_gpu_in_turn():
 
 
 def _record_engine_start(out_dir: str, rank: int, items) -> None:
-    """A worker that 'starts an engine' (0.4 s inside engine_start_turn) and records when and with what share."""
+    """A worker that 'starts an engine' inside engine_start_turn and records when, with what share, and
+    whether, while in its turn, it saw an engine of another GPU in its turn too (waiting up to 20 s)."""
     import time
 
     from eagle3_pipeline.parallel import engine_start_turn, memory_share
 
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES")
     with engine_start_turn():
         t0 = time.monotonic()
-        time.sleep(0.4)
+        Path(out_dir, f"turn-{gpu}-{rank}").touch()
+        deadline = time.monotonic() + 20
+        while not (met := any(p.name.split("-")[1] != gpu for p in Path(out_dir).glob("turn-*"))) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
         t1 = time.monotonic()
-    Path(out_dir, f"rank-{rank}.json").write_text(
-        json.dumps(
-            {"start": t0, "end": t1, "share": memory_share(0.9), "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "items": list(items)}
-        )
-    )
+    rec = {"start": t0, "end": t1, "share": memory_share(0.9), "gpu": gpu, "met_other_gpu": met, "items": list(items)}
+    Path(out_dir, f"rank-{rank}.json").write_text(json.dumps(rec))
 
 
-@pytest.mark.parametrize("per_gpu", [1, 2])
-def test_engines_sharing_a_gpu_start_one_at_a_time(tmp_path, monkeypatch, per_gpu):
-    """Two replicas on one GPU: engine starts never overlap and each takes half the memory share."""
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0" if per_gpu == 2 else "0,1")  # replicas do not touch CUDA
-    run_replicas(functools.partial(_record_engine_start, str(tmp_path)), list(range(6)), 2, 1, per_gpu)
+def _engine_starts(tmp_path, monkeypatch, visible: str, items: int, replicas: int, per_gpu: int) -> list[dict]:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)  # the replicas do not touch CUDA
+    run_replicas(functools.partial(_record_engine_start, str(tmp_path)), list(range(items)), replicas, 1, per_gpu)
     recs = sorted((json.loads(p.read_text()) for p in tmp_path.glob("rank-*.json")), key=lambda r: r["start"])
-    assert len(recs) == 2 and sorted(i for r in recs for i in r["items"]) == list(range(6))
-    if per_gpu == 2:
-        assert [r["gpu"] for r in recs] == ["0", "0"] and [r["share"] for r in recs] == [0.45, 0.45]
-        assert recs[1]["start"] >= recs[0]["end"]  # the second engine started after the first was up
-    else:
-        assert sorted(r["gpu"] for r in recs) == ["0", "1"] and [r["share"] for r in recs] == [0.9, 0.9]
-        assert recs[1]["start"] < recs[0]["end"]  # own GPUs: engines start side by side
+    assert sorted(i for r in recs for i in r["items"]) == list(range(items))
+    return recs
+
+
+def _overlap(a: dict, b: dict) -> bool:
+    return a["start"] < b["end"] and b["start"] < a["end"]
+
+
+def test_engines_sharing_a_gpu_start_one_at_a_time(tmp_path, monkeypatch):
+    """Four replicas, two per GPU: engines of one GPU never start together, those of different GPUs do."""
+    recs = _engine_starts(tmp_path, monkeypatch, "0,1", 8, 4, 2)
+    assert sorted(r["gpu"] for r in recs) == ["0", "0", "1", "1"] and {r["share"] for r in recs} == {0.45}
+    for gpu in ("0", "1"):
+        a, b = (r for r in recs if r["gpu"] == gpu)
+        assert not _overlap(a, b), gpu  # the second engine of a GPU started after the first was up
+    assert all(r["met_other_gpu"] for r in recs)  # one lock per GPU: the other GPU's engine started meanwhile
+
+
+def test_replicas_with_gpus_of_their_own_start_side_by_side(tmp_path, monkeypatch):
+    recs = _engine_starts(tmp_path, monkeypatch, "0,1", 6, 2, 1)
+    assert sorted(r["gpu"] for r in recs) == ["0", "1"] and [r["share"] for r in recs] == [0.9, 0.9]
+    assert all(r["met_other_gpu"] for r in recs)  # no start lock: both engines started together
+
+
+def test_fewer_chunks_than_replicas_use_every_gpu_before_sharing_one(tmp_path, monkeypatch):
+    """Two chunks left of a job of 4 replicas on 2 GPUs (2 per GPU): one replica per GPU, each with the GPU's share."""
+    recs = _engine_starts(tmp_path, monkeypatch, "0,1", 2, 4, 2)
+    assert sorted(r["gpu"] for r in recs) == ["0", "1"] and [r["share"] for r in recs] == [0.9, 0.9]
+    # three chunks: the third replica shares a GPU
+    for p in [*tmp_path.glob("rank-*.json"), *tmp_path.glob("turn-*")]:
+        p.unlink()
+    recs = _engine_starts(tmp_path, monkeypatch, "0,1", 3, 4, 2)
+    assert sorted(r["gpu"] for r in recs) == ["0", "0", "1"] and sorted(r["share"] for r in recs) == [0.45, 0.45, 0.9]
+
+
+def test_an_engine_sharing_its_gpu_gets_its_part_of_the_memory_whoever_set_it(monkeypatch):
+    import vllm
+
+    from eagle3_pipeline import engine, parallel
+
+    got = []
+    monkeypatch.setattr(vllm, "LLM", lambda **kw: got.append(kw))
+    monkeypatch.setattr(engine, "on_cpu", lambda: False)
+    v = validate_config({"vllm": {"gpu_memory_utilization": 0.9}})["vllm"]
+    engine.build_llm("m", v, seed=0, max_model_len=64)
+    monkeypatch.setattr(parallel, "_SHARING", 2)  # as run_replicas sets it in a replica with a GPU of two
+    engine.build_llm("m", v, seed=0, max_model_len=64)
+    engine.build_llm("m", v | {"extra_engine_args": {"gpu_memory_utilization": 0.8}}, seed=0, max_model_len=64)
+    assert [kw["gpu_memory_utilization"] for kw in got] == [0.9, 0.45, 0.4]
 
 
 def test_visible_gpus_honours_cuda_visible_devices(monkeypatch, tmp_path):

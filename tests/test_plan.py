@@ -204,11 +204,13 @@ def test_replicas_sharing_a_gpu_are_scaled_linearly_and_say_so(tmp_path):
     g = p["generate_traces"]
     assert g.tokens_per_second == pytest.approx(2 * ref["generate_traces"]["tokens_per_second"])
     assert g.source.endswith("x 2 replicas; rough: replicas scaled linearly, sharing GPUs")
+    assert g.load_seconds == pytest.approx(2 * ref["generate_traces"]["load_seconds"])  # the two engines start in turn
     # the hf extraction backend does not share GPUs (replicas_per_gpu is vLLM's)
     assert p["extract_hidden_states"].source.endswith("x 2 replicas; rough: replicas scaled linearly")
     # a CPU machine has no GPUs to share
     c = _by_stage(make_plan(cfg, BUILTIN_SHAPE, tmp_path, "cpu"))["generate_traces"]
     assert c.source.endswith("x 2 replicas; rough: replicas scaled linearly")
+    assert c.load_seconds == pytest.approx(REFERENCES["cpu"][0]["generate_traces"]["load_seconds"])
 
 
 TINY_SNAKEFILE = """

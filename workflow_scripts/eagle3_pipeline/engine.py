@@ -104,14 +104,16 @@ def build_llm(
     dtype = resolve_dtype(vllm_cfg.get("dtype", "auto"), "cpu" if on_cpu() else "cuda", "vllm.dtype")
     if dtype is not None:
         kwargs["dtype"] = dtype
-    if not on_cpu():  # replicas sharing a GPU split its share (parallel.memory_share)
-        kwargs["gpu_memory_utilization"] = memory_share(vllm_cfg["gpu_memory_utilization"])
+    if not on_cpu():
+        kwargs["gpu_memory_utilization"] = vllm_cfg["gpu_memory_utilization"]
     if vllm_cfg.get("max_num_seqs"):
         kwargs["max_num_seqs"] = vllm_cfg["max_num_seqs"]
     if speculative_config is not None:
         kwargs["speculative_config"] = speculative_config
     kwargs.update(vllm_cfg.get("extra_engine_args") or {})
     kwargs.update(overrides)
+    if "gpu_memory_utilization" in kwargs:  # replicas sharing a GPU split its share, whoever set it
+        kwargs["gpu_memory_utilization"] = memory_share(kwargs["gpu_memory_utilization"])
     logger.info("starting vLLM engine: %s", {k: v for k, v in kwargs.items() if k != "model"} | {"model": model})
     with engine_start_turn():
         return LLM(**kwargs)

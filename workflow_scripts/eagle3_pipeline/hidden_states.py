@@ -810,6 +810,7 @@ def run_extraction_shard(
         ranges = chunk_ranges(len(samples), cfg["chunk_samples"])
         todo = todo_chunks(store, ranges)
         replicas = cfg.get("data_parallel_size") or 1
+        per_gpu = (cfg.get("replicas_per_gpu") or 1) if cfg["backend"] == "vllm" else 1  # hf replicas own their GPUs
         if todo:
             check_gpus_free()
             job = {
@@ -831,7 +832,6 @@ def run_extraction_shard(
                 from .vllm_extraction import _vllm_extraction_replica as worker
             else:
                 worker = _extraction_replica
-            per_gpu = (cfg.get("replicas_per_gpu") or 1) if cfg["backend"] == "vllm" else 1
             run_replicas(functools.partial(worker, job), todo, replicas, cfg.get("gpus_per_replica") or 1, per_gpu)
         missing = sorted(set(range(len(ranges))) - set(store.finished()))
         if missing:
@@ -845,6 +845,7 @@ def run_extraction_shard(
             "chunks": len(ranges),
             "chunks_resumed": len(ranges) - len(todo),
             "data_parallel_size": replicas,
+            "replicas_per_gpu": per_gpu,
             "model_load_seconds": round(stats.get("model_load_seconds", 0.0), 3),
             "extract_seconds": round(run_s, 3),
             "tokens_per_second": stats.get("tokens", 0) / run_s if run_s else 0.0,

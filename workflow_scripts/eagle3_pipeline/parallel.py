@@ -12,11 +12,13 @@ did it; the job assembles the final output in chunk order, so the result does no
 depend on D (for deterministic decoding) and a killed job resumes with any D.
 
 A target too small to keep a GPU busy from one engine (a 135M target decoding 1,000
-sequences on an H200 used 13-18% of it: vLLM's scheduler and output processing are
-per-request Python, one CPU core per engine) can run ``replicas_per_gpu = R`` replicas on
-each GPU: replica ``r`` takes GPU ``r // R``, each engine gets ``1/R`` of the GPU memory
-share, and the engines sharing a GPU start one at a time (:func:`engine_start_turn`), so
-vLLM's memory profiling of one never sees another's start.
+sequences kept an H200 19% busy: vLLM's scheduler and output processing are per-request
+Python, one CPU core per engine) can run ``replicas_per_gpu = R`` replicas on each GPU:
+replica ``r`` takes GPU ``r // R``, each engine gets the GPU's memory share divided by the
+engines on it (:func:`memory_share`), and the engines of one GPU start one at a time
+(:func:`engine_start_turn`), so vLLM's memory profiling of one never sees another's start.
+An engine that is already decoding can still grow while the next one profiles; vLLM then
+counts that as the new engine's memory (a smaller KV cache), which did not show on an H200.
 
 Across nodes, data parallelism is Snakemake's: ``prompts.num_shards = K`` gives K
 independent jobs, each its own model load, which a cluster runs on K nodes at once.
@@ -94,19 +96,24 @@ def replica_devices(num_replicas: int, gpus_per_replica: int, visible: Sequence[
     ]
 
 
-#: Held by the replica whose engine is starting, when replicas share a GPU (set in each
-#: spawned replica by :func:`run_replicas`; ``None`` otherwise).
+#: The lock of this replica's GPU, held while an engine on it starts, when replicas share
+#: that GPU (set in each spawned replica by :func:`run_replicas`; ``None`` otherwise).
 _START_LOCK = None
 #: Replicas on this replica's GPU (1 unless replicas share GPUs).
 _SHARING = 1
 
 
 def memory_share(gpu_memory_utilization: float) -> float:
-    """This replica's part of ``gpu_memory_utilization`` (a fraction of the GPU's memory).
+    """This replica's part of ``gpu_memory_utilization`` (a fraction of the GPU's memory, 0-1).
 
-    The fraction divided by the number of replicas on this replica's GPU (1 where replicas
-    have GPUs of their own): vLLM's ``gpu_memory_utilization`` is one engine's share, and
-    the engines on a GPU together keep the configured one.
+    Args:
+        gpu_memory_utilization: the configured share of the GPU for all its engines.
+
+    Returns:
+        the fraction divided by the number of replicas that :func:`run_replicas` put on this
+        process's GPU; unchanged outside such a replica (a job's own process, evaluation) or
+        where replicas have GPUs of their own. vLLM's ``gpu_memory_utilization`` is one
+        engine's share, so the engines on a GPU together keep the configured one.
     """
     return gpu_memory_utilization / _SHARING
 
@@ -117,8 +124,10 @@ def engine_start_turn() -> Iterator[None]:
 
     vLLM sizes its KV cache from the GPU memory it sees change while it profiles
     (``vllm.v1.worker.gpu_worker``); another engine starting on the same GPU at that moment
-    makes the numbers wrong, or fails its check that free memory never grows. A no-op
-    where replicas have GPUs of their own, and in a job's own process.
+    makes the numbers wrong, or fails its check that free memory never grows. Each GPU has
+    its own lock, so engines on different GPUs start side by side; waiting has no timeout
+    (a replica that dies holding the lock releases it, and the job stops the others). A
+    no-op where replicas have GPUs of their own, and in a job's own process.
     """
     if _START_LOCK is None:
         yield
@@ -169,18 +178,22 @@ def run_replicas(
     ``functools.partial`` of one) that dies with this process, and pulls items from a
     shared queue until it is empty; replicas never take the same item. Replicas log to
     this process's stderr (the job log) with a ``[replica r]`` prefix. With
-    ``replicas_per_gpu = R > 1``, R replicas share each GPU (:func:`replica_devices`) and
-    start their engines one at a time (:func:`engine_start_turn`); the worker sizes its
-    engine's memory share.
+    ``replicas_per_gpu = R > 1``, up to R replicas share each GPU (:func:`replica_devices`)
+    and the engines of one GPU start one at a time (:func:`engine_start_turn`, :func:`memory_share`).
+    When fewer items than replicas remain, fewer replicas start, spread over the
+    ``ceil(num_replicas / R)`` GPUs the job has before any GPU takes a second one.
 
     Raises:
-        ValueError: not enough GPUs for the replicas (:func:`replica_devices`).
+        ValueError: not enough GPUs for the replicas, or R > 1 with multi-GPU replicas
+            (:func:`replica_devices`).
         RuntimeError: a replica failed (its exit code named); the others are stopped.
             Items it finished are kept by the caller's chunk store.
     """
     if len(items) < num_replicas:
         logger.info("%d chunk(s) to do: starting %d of %d replicas", len(items), max(len(items), 1), num_replicas)
+        gpus = -(-num_replicas // replicas_per_gpu)  # the job's GPU slices: use them all first
         num_replicas = max(len(items), 1)
+        replicas_per_gpu = -(-num_replicas // gpus)
     visible = visible_gpus()
     if num_replicas == 1:
         if len(visible) > gpus_per_replica:  # use the GPUs the job declared, not every GPU of the host
@@ -195,7 +208,8 @@ def run_replicas(
         return
     devices = replica_devices(num_replicas, gpus_per_replica, visible, replicas_per_gpu)
     ctx = mp.get_context("spawn")
-    start_lock = ctx.Lock() if replicas_per_gpu > 1 else None
+    # one start lock per GPU that several replicas share (on a CPU machine: all of them, if asked)
+    locks = {d: ctx.Lock() for d in set(devices) if (devices.count(d) > 1 if d is not None else replicas_per_gpu > 1)}
     queue = ctx.Queue()
     for item in items:
         queue.put(item)
@@ -204,7 +218,7 @@ def run_replicas(
     procs = [
         ctx.Process(
             target=_replica_main,
-            args=(worker, r, devices[r], queue, start_lock, devices.count(devices[r]) if devices[r] else 1),
+            args=(worker, r, devices[r], queue, locks.get(devices[r]), devices.count(devices[r]) if devices[r] else 1),
             name=f"replica-{r}",
         )
         for r in range(num_replicas)

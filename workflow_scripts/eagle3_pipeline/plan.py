@@ -104,7 +104,7 @@ REFERENCES = {
             "evaluate_drafter": {"tokens_per_second": 7868.0, "load_seconds": 50.0},
         },
         {
-            "source": "1 x H200, SmolLM2-135M, config/examples/smollm2-h200.yaml (benchmarks/results/gpu_dag_h200.json)",
+            "source": "1 x H200, SmolLM2-135M, one engine, config/examples/smollm2-h200.yaml of session 5 (benchmarks/results/gpu_dag_h200.json)",
             "params": 134_515_008,
             "hidden_size": 576,
             # CUDA graphs on, max_num_seqs 1024, 512-token completions
@@ -289,12 +289,14 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
         # caveats where they apply: a GPU figure scaled to another size, parallelism the reference did not have
         caveats = ["scaled from another target size"] if not cpu and round(s, 3) != 1 else []
         caveats += ["tensor/pipeline parallel not modelled"] if engine_gpus > 1 else []
-        shared = not cpu and d_ > 1 and cfg["vllm"].get("replicas_per_gpu", 1) > 1 and (stage == "generate_traces" or backend == "vllm")
+        shared = not cpu and d_ > 1 and cfg["vllm"]["replicas_per_gpu"] > 1 and (stage == "generate_traces" or backend == "vllm")
         caveats += [f"replicas scaled linearly{', sharing GPUs' if shared else ''}"] if d_ > 1 else []
         note += f"; rough: {', '.join(caveats)}" if caveats else ""
+        # the engines of one GPU start one after another (parallel.engine_start_turn)
+        starts = min(cfg["vllm"]["replicas_per_gpu"], d_) if shared else 1
         return (
             r["tokens_per_second"] * s * d_,
-            r["load_seconds"] * (load_scale if stage != "train_drafter" else 1.0),
+            r["load_seconds"] * (load_scale if stage != "train_drafter" else 1.0) * starts,
             f"reference ({r.get('source', ref['source'])}){note}",
         )
 
