@@ -10,6 +10,7 @@ from snakemake.exceptions import WorkflowError
 
 from eagle3_pipeline.config import ConfigError, check_against_target, validate_config
 from eagle3_pipeline.io import InputError
+from eagle3_pipeline.parallel import replica_gpus
 from eagle3_pipeline.prompts import sources_digest
 from eagle3_pipeline.sweep import (
     changes,
@@ -58,12 +59,12 @@ _X_PER_GPU = _PER_GPU if _X["backend"] == "vllm" else 1
 GENERATION_GPUS = (
     _OVERRIDE_GPUS
     if _OVERRIDE_GPUS is not None
-    else -(-_V["data_parallel_size"] // _PER_GPU) * _ENGINE_GPUS
+    else replica_gpus(_V["data_parallel_size"], _ENGINE_GPUS, _PER_GPU)
 )
 EXTRACTION_GPUS = (
     _OVERRIDE_GPUS
     if _OVERRIDE_GPUS is not None
-    else -(-_X["data_parallel_size"] // _X_PER_GPU) * _X["gpus_per_replica"]
+    else replica_gpus(_X["data_parallel_size"], _X["gpus_per_replica"], _X_PER_GPU)
 )
 EVALUATION_GPUS = _OVERRIDE_GPUS if _OVERRIDE_GPUS is not None else _ENGINE_GPUS
 TRAIN_PROCESSES = max(1, config["resources"]["train_gpus"])

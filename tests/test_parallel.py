@@ -13,7 +13,7 @@ from train_support import write_random_train_inputs
 
 from eagle3_pipeline.config import validate_config
 from eagle3_pipeline.hidden_states import read_shard, run_extraction_shard
-from eagle3_pipeline.parallel import replica_devices, run_replicas, visible_gpus
+from eagle3_pipeline.parallel import replica_devices, replica_gpus, run_replicas, visible_gpus
 from eagle3_pipeline.training import run_training
 
 
@@ -27,6 +27,7 @@ def test_replicas_get_consecutive_gpu_slices():
 
 
 def test_replicas_per_gpu_share_each_gpu_in_turn():
+    assert [replica_gpus(d, 1, 2) for d in (1, 2, 3, 4)] == [1, 1, 2, 2] and replica_gpus(2, 4) == 8
     assert replica_devices(4, 1, ["0", "1"], 2) == ["0", "0", "1", "1"]
     assert replica_devices(3, 1, ["2", "5"], 2) == ["2", "2", "5"]
     assert replica_devices(3, 1, ["0"], 3) == ["0", "0", "0"]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import math
 import multiprocessing as mp
 import os
 import shutil
@@ -58,6 +59,15 @@ def visible_gpus() -> list[str]:
     return [str(i) for i, line in enumerate(q.stdout.splitlines()) if line.startswith("GPU ")]
 
 
+def replica_gpus(num_replicas: int, gpus_per_replica: int, replicas_per_gpu: int = 1) -> int:
+    """GPUs a job of ``num_replicas`` replicas of ``gpus_per_replica`` GPUs needs, ``replicas_per_gpu`` on each GPU.
+
+    ``ceil(D / R) × g``: the ``gpu`` resource of a generation or extraction job
+    (``rules/common.smk``) and what :func:`replica_devices` checks the visible GPUs against.
+    """
+    return math.ceil(num_replicas / replicas_per_gpu) * gpus_per_replica
+
+
 def replica_devices(num_replicas: int, gpus_per_replica: int, visible: Sequence[str], replicas_per_gpu: int = 1) -> list[str | None]:
     """``CUDA_VISIBLE_DEVICES`` of each replica: consecutive slices of ``visible``.
 
@@ -82,8 +92,7 @@ def replica_devices(num_replicas: int, gpus_per_replica: int, visible: Sequence[
         )
     if not visible:
         return [None] * num_replicas
-    slots = -(-num_replicas // replicas_per_gpu)  # GPU slices the replicas fill
-    need = slots * gpus_per_replica
+    need = replica_gpus(num_replicas, gpus_per_replica, replicas_per_gpu)
     if need > len(visible):
         per = f" ({replicas_per_gpu} per GPU)" if replicas_per_gpu > 1 else ""
         raise ValueError(
@@ -191,9 +200,9 @@ def run_replicas(
     """
     if len(items) < num_replicas:
         logger.info("%d chunk(s) to do: starting %d of %d replicas", len(items), max(len(items), 1), num_replicas)
-        gpus = -(-num_replicas // replicas_per_gpu)  # the job's GPU slices: use them all first
+        gpus = replica_gpus(num_replicas, 1, replicas_per_gpu)  # the job's GPU slices: use them all first
         num_replicas = max(len(items), 1)
-        replicas_per_gpu = -(-num_replicas // gpus)
+        replicas_per_gpu = math.ceil(num_replicas / gpus)
     visible = visible_gpus()
     if num_replicas == 1:
         if len(visible) > gpus_per_replica:  # use the GPUs the job declared, not every GPU of the host
