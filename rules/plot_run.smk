@@ -50,6 +50,12 @@ rule plot_run:
             category="4. Evaluation",
             labels={"figure": "acceptance length in vLLM"},
         ),
+        speedup=report(
+            f"results/{RUN}/plots/speedup.png",
+            caption="../report/speedup.rst",
+            category="4. Evaluation",
+            labels={"figure": "speedup: tokens/s with and without the drafter"},
+        ),
         throughput=report(
             f"results/{RUN}/plots/throughput.png",
             caption="../report/throughput.rst",

@@ -33,10 +33,10 @@ def tokenizer(target_dir):
 @pytest.fixture(scope="session")
 def e2e_run(tmp_path_factory):
     """The workflow run locally on the reduced config (e2e_support.SMALL): (workdir, config file, results)."""
-    from e2e_support import make_workdir, run_api
+    from e2e_support import SMALL_WITH_SPEEDUP, make_workdir, run_api
 
     wd = tmp_path_factory.mktemp("wd")
-    cfg = make_workdir(wd)
+    cfg = make_workdir(wd, SMALL_WITH_SPEEDUP)
     # another --resources flag must not lift the full-model lock
     run_api(wd, cfg, cores=4, resources={"mem_gb": 100})
     return wd, cfg, wd / "results" / "e2e"

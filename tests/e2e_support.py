@@ -17,8 +17,11 @@ SMALL = {
     "vocab": {"draft_vocab_size": 2048},
     "extraction": {"batch_tokens": 1},
     "training": {"epochs": 2, "pack_tokens": 1024, "val_fraction": 0.2, "log_every_steps": 1},
-    "evaluation": {"max_prompts": 4, "max_tokens": 32},
+    "evaluation": {"max_prompts": 4, "max_tokens": 32, "speedup": {"concurrency": []}},
 }
+# The local end-to-end run also measures the speedup (a second engine, the target alone): once,
+# not in every run of the reduced config.
+SMALL_WITH_SPEEDUP = SMALL | {"evaluation": SMALL["evaluation"] | {"speedup": {"concurrency": [1, 4]}}}
 
 
 def snakemake_cli(workdir: Path, configfile: Path, *options: str, targets: tuple[str, ...] = (), **run_kw) -> subprocess.CompletedProcess:

@@ -154,7 +154,14 @@ def test_training_logged_loss_and_per_position_accuracy(run):
     train = [x for x in lines if x["split"] == "train"]
     assert [x["step"] for x in train] == list(range(1, len(train) + 1))
     assert all({"loss", "full_acc_0", "full_acc_1", "full_acc_2"} <= set(x) for x in train)
-    assert any(x["split"] == "val" for x in lines)
+    val = [x for x in lines if x["split"] == "val"]
+    assert val
+    # the validation answers replayed as vLLM decodes them: per-draft-step rates, never rising
+    # with the position, and tau = 1 + their sum (vLLM's identity)
+    for x in val:
+        acc = [x[f"replay_acc_{j}"] for j in range(3)]
+        assert 0.0 <= acc[2] <= acc[1] <= acc[0] <= 1.0
+        assert x["replay_tau"] == pytest.approx(1 + sum(acc))
 
 
 def test_acceptance_length_read_from_vllm_counters(run):
@@ -165,6 +172,18 @@ def test_acceptance_length_read_from_vllm_counters(run):
     assert acc["acceptance_length"] >= 1.0
     assert len(acc["per_position_acceptance_rate"]) == 3
     assert acc["engine"]["platform"] == "cpu"
+    # what the drafter buys: both engines decoded the 4 prompts at each concurrency, greedy, so
+    # (up to a near-tie flipped by another batch composition) the answers of the tau measurement
+    assert [r["concurrency"] for r in acc["speedup"]] == [1, 4]
+    for r in acc["speedup"]:
+        w, b = r["with_drafter"], r["without_drafter"]
+        assert w["requests"] == b["requests"] == 4
+        assert w["output_tokens"] == pytest.approx(acc["output_tokens"], rel=0.25)
+        assert b["output_tokens"] == pytest.approx(acc["output_tokens"], rel=0.25)
+        assert r["speedup"] == pytest.approx(w["output_tokens_per_second"] / b["output_tokens_per_second"])
+        assert w["output_tokens_per_second"] == pytest.approx(w["output_tokens"] / w["seconds"], rel=0.01)
+    s = json.loads((res / "summary.json").read_text())
+    assert [r["speedup"] for r in s["evaluation"]["speedup"]] == [r["speedup"] for r in acc["speedup"]]
 
 
 def test_run_summary_totals_every_reject(run):

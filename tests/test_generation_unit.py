@@ -1,8 +1,10 @@
-"""Prompt rendering, reasoning split and spec-decode counter parsing (no engine needed)."""
+"""Prompt rendering, reasoning split, spec-decode counter parsing and decoding throughput (no engine needed)."""
+
+from types import SimpleNamespace
 
 import pytest
 
-from eagle3_pipeline.evaluation import acceptance_report, spec_decode_counters
+from eagle3_pipeline.evaluation import acceptance_report, decode_throughput, spec_decode_counters, speedup_table, throughput_runs
 from eagle3_pipeline.generation import render_prompt_ids, split_reasoning
 
 
@@ -91,3 +93,67 @@ def test_wrong_model_path_is_a_clear_error(tmp_path):
     (tmp_path / "notamodel" / "config.json").write_text("{}")
     with pytest.raises(InputError, match=r"has no weights \(\*\.safetensors or \*\.bin\)"):
         check_target_dir(tmp_path / "notamodel")
+
+
+class _FakeEngine:
+    """An engine that answers each request with ``length`` tokens, one per step, and records how many were in flight."""
+
+    def __init__(self, length: int):
+        self.length, self.running, self.max_in_flight, self.added = length, {}, 0, []
+
+    def add_request(self, request_id, prompt, params):
+        self.added.append((request_id, list(prompt["prompt_token_ids"]), params.max_tokens))
+        self.running[request_id] = 0
+        self.max_in_flight = max(self.max_in_flight, len(self.running))
+
+    def get_num_unfinished_requests(self):
+        return len(self.running)
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+    def step(self):
+        done = []
+        for rid in list(self.running):
+            self.running[rid] += 1
+            if self.running[rid] == self.length:
+                del self.running[rid]
+                done.append(SimpleNamespace(request_id=rid, finished=True, outputs=[SimpleNamespace(token_ids=[7] * self.length)]))
+        return done
+
+
+@pytest.mark.parametrize("concurrency", [1, 3, 64])
+def test_decode_throughput_keeps_the_asked_requests_in_flight(concurrency):
+    llm = SimpleNamespace(llm_engine=_FakeEngine(length=5))
+    prompts = [[1, 2, 3, i] for i in range(10)]
+    r = decode_throughput(llm, prompts, max_tokens=5, concurrency=concurrency)
+    eng = llm.llm_engine
+    assert eng.max_in_flight == min(concurrency, len(prompts))
+    assert [p for _, p, _ in eng.added] == prompts and {m for _, _, m in eng.added} == {5}
+    assert len({rid for rid, _, _ in eng.added}) == 10  # request ids unique
+    assert r["requests"] == 10 and r["output_tokens"] == 50 and r["concurrency"] == concurrency
+    assert r["output_tokens_per_second"] > 0
+
+
+def test_speedup_table_pairs_levels_and_divides():
+    w = [
+        {"concurrency": 1, "requests": 4, "output_tokens_per_second": 30.0},
+        {"concurrency": 16, "requests": 4, "output_tokens_per_second": 200.0},
+    ]
+    b = [
+        {"concurrency": 1, "requests": 4, "output_tokens_per_second": 20.0},
+        {"concurrency": 16, "requests": 4, "output_tokens_per_second": 250.0},
+    ]
+    rows = speedup_table(w, b)
+    assert [(r["concurrency"], r["speedup"]) for r in rows] == [(1, 1.5), (16, 0.8)]
+    with pytest.raises(ValueError, match="concurrency 16 measured with the drafter, 1 without"):
+        speedup_table(w[::-1], b)
+
+
+def test_throughput_runs_follow_the_speedup_settings():
+    llm = SimpleNamespace(llm_engine=_FakeEngine(length=2))
+    cfg = {"max_tokens": 2, "temperature": 0.0, "speedup": {"concurrency": [1, 4], "max_prompts": 3}}
+    runs = throughput_runs(llm, [[1, 2, 3, i] for i in range(8)], cfg, "test", warm_up=True)
+    assert [(r["concurrency"], r["requests"]) for r in runs] == [(1, 3), (4, 3)]
+    assert len(llm.llm_engine.added) == 2 + 3 + 3  # the warm-up's two, then each level's three
+    assert throughput_runs(llm, [[1]], cfg | {"speedup": {"concurrency": [], "max_prompts": None}}, "none") == []

@@ -37,6 +37,7 @@ from eagle3_pipeline.report import (
     read_trace_lengths,
     reject_counts,
     rejects_figure,
+    speedup_figure,
     throughput_figure,
 )
 from eagle3_pipeline.vocab import coverage_ladder
@@ -225,6 +226,33 @@ def test_acceptance_overall_and_per_position():
     assert _bar_heights(right) == [0.3, 0.15, 0.05]
     assert list(right.lines[0].get_ydata()) == [0.35, 0.2, 0.1]
     assert "4 prompts, 100 drafts of k = 3" in right.get_title()
+    # no speedup measured: the figure says so
+    assert "no speedup measured" in speedup_figure(acc).axes[0].texts[0].get_text()
+    acc["speedup"] = [
+        {
+            "concurrency": 1,
+            "requests": 4,
+            "with_drafter_tokens_per_second": 30.0,
+            "without_drafter_tokens_per_second": 20.0,
+            "speedup": 1.5,
+        },
+        {
+            "concurrency": 16,
+            "requests": 4,
+            "with_drafter_tokens_per_second": 200.0,
+            "without_drafter_tokens_per_second": 250.0,
+            "speedup": 0.8,
+        },
+    ]
+    ax = speedup_figure(acc).axes[0]
+    assert _bar_heights(ax) == [20.0, 250.0, 30.0, 200.0]  # target alone at 1 and 16, then with the drafter
+    assert [t.get_text() for t in ax.texts] == ["1.50x", "0.80x"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["1 in flight\n(4 requests)", "16 in flight\n(4 requests)"]
+    # with the validation answers replayed as vLLM decodes them: their τ on the left, rates on the right
+    acc["offline_validation"] |= {"replay_tau": 1.4, "replay_acc_0": 0.25, "replay_acc_1": 0.1, "replay_acc_2": 0.05}
+    left, right = acceptance_figure(acc).axes
+    assert list(left.lines[-1].get_ydata()) == [1.4]
+    assert [list(line.get_ydata()) for line in right.lines] == [[0.35, 0.2, 0.1], [0.25, 0.1, 0.05]]
 
 
 def test_throughput_and_estimate_vs_actual_from_the_summary():

@@ -171,7 +171,7 @@ def _json_without_run_specifics(path: Path, wd: Path):
 
     def norm(x):
         if isinstance(x, dict):
-            return {k: norm(v) for k, v in x.items() if not re.search(r"seconds|per_second|over_estimate|peak_", k)}
+            return {k: norm(v) for k, v in x.items() if not re.search(r"seconds|per_second|speedup|over_estimate|peak_", k)}
         if isinstance(x, list):
             return [norm(v) for v in x]
         if isinstance(x, str):  # the run directory, and the start plan's name (its UTC start time)

@@ -4,7 +4,7 @@ import logging
 from pathlib import Path
 
 from eagle3_pipeline.engine import build_llm, engine_identity, shutdown_llm
-from eagle3_pipeline.evaluation import run_eval
+from eagle3_pipeline.evaluation import eval_prompt_ids, run_eval, speedup_table, throughput_runs
 from eagle3_pipeline.hygiene import ProcessRecord, check_gpus_free, cleanup_stale_processes, host_lock
 from eagle3_pipeline.io import read_json, read_jsonl, write_json_atomic, write_jsonl_atomic
 from eagle3_pipeline.runtime import Timer, peak_memory, start_log
@@ -36,17 +36,29 @@ if __name__ == "__main__":
         load_s = load.seconds
         pids.record()
         questions = list(read_jsonl(sm.input.prompts))
+        tokenizer = load_tokenizer(sm.input.target, sm.params.trust_remote_code)
+        eval_cfg = sm.params.evaluation | {"num_speculative_tokens": k}
         run = Timer()
-        report, rows = run_eval(
-            llm,
-            load_tokenizer(sm.input.target, sm.params.trust_remote_code),
-            questions,
-            sm.params.evaluation | {"num_speculative_tokens": k},
-            sm.params.generation["chat_template_kwargs"],
-        )
+        report, rows = run_eval(llm, tokenizer, questions, eval_cfg, sm.params.generation["chat_template_kwargs"])
         eval_s = run.seconds
+        # what the drafter buys: the same prompts decoded with it, then by the target alone
+        prompts = eval_prompt_ids(tokenizer, questions, sm.params.generation["chat_template_kwargs"])
+        with_drafter = throughput_runs(llm, prompts, eval_cfg, "with the drafter")
         shutdown_llm(llm)
         pids.clear()
+        if with_drafter:
+            base = build_llm(
+                sm.input.target,
+                sm.params.vllm,
+                seed=sm.params.seed,
+                max_model_len=sm.params.max_seq_len,
+                trust_remote_code=sm.params.trust_remote_code,
+            )
+            pids.record()
+            without = throughput_runs(base, prompts, eval_cfg, "without the drafter", warm_up=True)
+            shutdown_llm(base)
+            pids.clear()
+            report["speedup"] = speedup_table(with_drafter, without)
     train_summary = read_json(sm.input.train_summary)
     report |= {
         "drafter": drafter,

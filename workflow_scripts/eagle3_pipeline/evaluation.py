@@ -8,6 +8,11 @@ vLLM serves the target with ``speculative_config={"method": "eagle3", "model": <
   emits the accepted draft tokens plus one token from the target
   (vLLM ``v1/spec_decode/metrics.py`` defines the same ratio);
 * acceptance rate at position ``i`` = accepted at position ``i`` / drafts.
+
+τ is not what a user buys; tokens per second are. The same job then decodes the prompts
+again at each ``evaluation.speedup.concurrency`` (requests in flight), with the drafter and
+with the target alone in an engine of the same settings, and reports output tokens/s of
+both and their ratio (:func:`decode_throughput`, :func:`speedup_table`).
 """
 
 from __future__ import annotations
@@ -76,6 +81,17 @@ def acceptance_report(counters: dict, num_speculative_tokens: int) -> dict:
     }
 
 
+def eval_prompt_ids(tokenizer, questions: list[dict], chat_template_kwargs: dict | None = None) -> list[list[int]]:
+    """Each question's first turn under the target's chat template, as generation renders prompts.
+
+    Returns:
+        one ``list[int]`` of prompt token ids per question.
+    """
+    from .generation import render_prompt_ids
+
+    return [render_prompt_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}], chat_template_kwargs) for q in questions]
+
+
 def run_eval(llm, tokenizer, questions: list[dict], eval_cfg: dict, chat_template_kwargs: dict | None = None) -> tuple[dict, list[dict]]:
     """Generate answers to the first turn of each question and read τ from vLLM.
 
@@ -86,9 +102,7 @@ def run_eval(llm, tokenizer, questions: list[dict], eval_cfg: dict, chat_templat
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from .generation import render_prompt_ids
-
-    prompts = [render_prompt_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}], chat_template_kwargs) for q in questions]
+    prompts = eval_prompt_ids(tokenizer, questions, chat_template_kwargs)
     params = SamplingParams(temperature=eval_cfg["temperature"], max_tokens=eval_cfg["max_tokens"])
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     report = acceptance_report(spec_decode_counters(llm.get_metrics()), eval_cfg["num_speculative_tokens"])
@@ -99,3 +113,102 @@ def run_eval(llm, tokenizer, questions: list[dict], eval_cfg: dict, chat_templat
     report["num_prompts"] = len(questions)
     report["output_tokens"] = sum(r["num_output_tokens"] for r in rows)
     return report, rows
+
+
+def decode_throughput(llm, prompts: list[list[int]], max_tokens: int, concurrency: int, temperature: float = 0.0) -> dict:
+    """Output tokens per second of ``llm`` answering ``prompts`` with ``concurrency`` requests in flight.
+
+    Requests are added whenever fewer than ``concurrency`` are unfinished
+    (:func:`eagle3_pipeline.engine.feed_engine`), as a server with that many clients sees
+    them; the clock runs from the first request to the last answer (no model load).
+
+    Returns:
+        ``{"concurrency", "requests", "output_tokens", "seconds", "output_tokens_per_second"}``
+        (seconds wall time, tokens/s over all requests).
+    """
+    import time
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    from .engine import feed_engine
+
+    eng = llm.llm_engine
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, output_kind=RequestOutputKind.FINAL_ONLY)
+    tag = f"tput-{concurrency}-{time.monotonic_ns()}"
+    tokens = 0
+
+    def add(i: int) -> None:
+        eng.add_request(f"{tag}-{i}", TokensPrompt(prompt_token_ids=prompts[i]), params)
+
+    def done(out) -> None:
+        nonlocal tokens
+        tokens += len(out.outputs[0].token_ids)
+
+    t0 = time.perf_counter()
+    feed_engine(eng, range(len(prompts)), add, done, queued=concurrency)
+    secs = time.perf_counter() - t0
+    return {
+        "concurrency": concurrency,
+        "requests": len(prompts),
+        "output_tokens": tokens,
+        "seconds": round(secs, 3),
+        "output_tokens_per_second": tokens / secs if secs > 0 else 0.0,
+    }
+
+
+def throughput_runs(llm, prompts: list[list[int]], eval_cfg: dict, label: str, *, warm_up: bool = False) -> list[dict]:
+    """:func:`decode_throughput` at each ``evaluation.speedup.concurrency`` on the first
+    ``speedup.max_prompts`` prompts, logged as ``label``; ``[]`` when no concurrency is set.
+
+    ``warm_up`` first decodes two short answers (a fresh engine's first steps are slower; the
+    drafter's engine is warm from the τ measurement).
+    """
+    speed = eval_cfg["speedup"]
+    if not speed["concurrency"]:
+        return []
+    prompts = prompts[: speed["max_prompts"]]
+    if warm_up:
+        decode_throughput(llm, prompts[:2], min(16, eval_cfg["max_tokens"]), 2, eval_cfg["temperature"])
+    runs = [decode_throughput(llm, prompts, eval_cfg["max_tokens"], c, eval_cfg["temperature"]) for c in speed["concurrency"]]
+    logger.info(
+        "decoding %s: %s output tok/s at %s requests in flight",
+        label,
+        ", ".join(f"{r['output_tokens_per_second']:.1f}" for r in runs),
+        ", ".join(str(r["concurrency"]) for r in runs),
+    )
+    return runs
+
+
+def speedup_table(with_drafter: list[dict], without: list[dict]) -> list[dict]:
+    """Per concurrency: output tokens/s with and without the drafter and their ratio (the speedup).
+
+    Args:
+        with_drafter, without: :func:`decode_throughput` results, one per concurrency, in the same order.
+
+    Raises:
+        ValueError: the two lists measure different concurrencies.
+    """
+    rows = []
+    for w, b in zip(with_drafter, without, strict=True):
+        if w["concurrency"] != b["concurrency"]:
+            raise ValueError(f"concurrency {w['concurrency']} measured with the drafter, {b['concurrency']} without")
+        logger.info(
+            "%d in flight: %.1f output tok/s with the drafter, %.1f without",
+            w["concurrency"],
+            w["output_tokens_per_second"],
+            b["output_tokens_per_second"],
+        )
+        rows.append(
+            {
+                "concurrency": w["concurrency"],
+                "requests": w["requests"],
+                "with_drafter_tokens_per_second": w["output_tokens_per_second"],
+                "without_drafter_tokens_per_second": b["output_tokens_per_second"],
+                "speedup": w["output_tokens_per_second"] / b["output_tokens_per_second"] if b["output_tokens_per_second"] else None,
+                "with_drafter": w,
+                "without_drafter": b,
+            }
+        )
+    return rows

@@ -39,6 +39,7 @@ FIGURES = (
     "training_loss",
     "training_accuracy",
     "acceptance",
+    "speedup",
     "throughput",
     "estimate_vs_actual",
 )
@@ -293,7 +294,9 @@ def acceptance_figure(acceptance: Mapping) -> Figure:
     """Speculative decoding in vLLM (``eval/acceptance.json``): left, the acceptance length τ (tokens
     per target forward pass, 1 + accepted/drafts) against its ceiling 1 + k; right, per draft
     position the fraction of drafts whose tokens up to that position were accepted, beside the
-    offline validation accuracy (``full_acc_k``) the training measured for the same positions."""
+    offline validation accuracy (``full_acc_k``) the training measured for the same positions and,
+    where training recorded them, the rates and τ of its validation answers replayed as vLLM
+    decodes them (``replay_acc_k``, ``replay_tau``: per draft step, like vLLM's)."""
     tau, k = acceptance["acceptance_length"], acceptance["num_speculative_tokens"]
     rates = acceptance["per_position_acceptance_rate"]
     fig = Figure(figsize=(9, 3.8), layout="constrained")
@@ -312,13 +315,51 @@ def acceptance_figure(acceptance: Mapping) -> Figure:
     offline = acceptance.get("offline_validation") or {}
     off = [offline.get(f"full_acc_{i}") for i in pos]
     if any(v is not None for v in off):
-        right.plot(pos, [np.nan if v is None else v for v in off], "D", color="C3", label="training validation full_acc")
+        right.plot(pos, [np.nan if v is None else v for v in off], "D", color="C3", label="training validation full_acc (per token)")
+    replay = [offline.get(f"replay_acc_{i}") for i in pos]
+    if any(v is not None for v in replay):
+        right.plot(
+            pos,
+            [np.nan if v is None else v for v in replay],
+            "o",
+            color="C1",
+            label="validation answers replayed as vLLM drafts (per draft)",
+        )
+        off += replay
+    if offline.get("replay_tau") is not None:
+        left.plot(["τ"], [offline["replay_tau"]], "o", color="C1", label=f"validation replayed: {offline['replay_tau']:.3f}")
+        left.legend(fontsize=8, loc="upper right")
     right.set_xticks(pos, [str(i) for i in pos])
     right.set_xlabel("draft position")
     right.set_ylabel("acceptance rate")
     right.set_ylim(0, max([1e-3, *rates, *(v for v in off if v is not None)]) * 1.25)
     right.legend(fontsize=8)
     right.set_title(f"{acceptance['num_prompts']:,} prompts, {acceptance['num_drafts']:,} drafts of k = {k}", fontsize=10)
+    return fig
+
+
+def speedup_figure(acceptance: Mapping) -> Figure:
+    """What the drafter buys (``eval/acceptance.json``'s ``speedup``): output tokens/s decoding the
+    evaluation prompts with and without the drafter at each number of requests in flight, grouped
+    bars, each pair labelled with its ratio (the speedup)."""
+    rows = acceptance.get("speedup") or []
+    fig = Figure(figsize=(8, 3.6), layout="constrained")
+    ax = fig.subplots()
+    if not rows:
+        _note(ax, "no speedup measured (evaluation.speedup.concurrency is empty)")
+        return fig
+    x = np.arange(len(rows))
+    w = 0.38
+    ax.bar(x - w / 2, [r["without_drafter_tokens_per_second"] for r in rows], w, color="0.6", label="target alone")
+    bars = ax.bar(x + w / 2, [r["with_drafter_tokens_per_second"] for r in rows], w, color="C2", label="with the drafter")
+    ax.bar_label(bars, labels=[f"{r['speedup']:.2f}x" if r.get("speedup") else "" for r in rows], fontsize=9)
+    ax.set_xticks(x, [f"{r['concurrency']} in flight\n({r['requests']} requests)" for r in rows])
+    ax.set_ylabel("output tokens / s")
+    ax.margins(y=0.15)
+    ax.legend(fontsize=8)
+    ax.set_title(
+        f"decoding throughput, k = {acceptance.get('num_speculative_tokens')}, τ = {acceptance['acceptance_length']:.2f}", fontsize=10
+    )
     return fig
 
 
@@ -400,6 +441,7 @@ def make_plots(
         "training_loss": lambda: loss_figure(m),
         "training_accuracy": lambda: accuracy_figure(m),
         "acceptance": lambda: acceptance_figure(read_json(acceptance)),
+        "speedup": lambda: speedup_figure(read_json(acceptance)),
         "throughput": lambda: throughput_figure(s),
         "estimate_vs_actual": lambda: estimate_figure(s),
     }

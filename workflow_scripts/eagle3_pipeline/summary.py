@@ -55,6 +55,12 @@ def summarize(prompts: str, traces: list[str], coverage: str, hidden_indexes: li
             "backend": hs[0].get("backend") if hs else None,
         },
         "training": {k: tr.get(k) for k in ("steps", "tokens_seen", "tokens_per_second", "final_val")},
-        "evaluation": {k: acc[k] for k in ("acceptance_length", "per_position_acceptance_rate", "num_prompts", "num_drafts")},
+        "evaluation": {k: acc[k] for k in ("acceptance_length", "per_position_acceptance_rate", "num_prompts", "num_drafts")}
+        | {
+            "speedup": [
+                {k: r[k] for k in ("concurrency", "with_drafter_tokens_per_second", "without_drafter_tokens_per_second", "speedup")}
+                for r in acc.get("speedup") or []
+            ]
+        },
         "rejects": {"prompts": p["rejected"], "generation": generation["rejected"], "total": p["rejected"] + generation["rejected"]},
     }

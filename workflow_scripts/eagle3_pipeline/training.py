@@ -367,18 +367,111 @@ def micro_batches(dataset, collate, packs: list[list[int]], *, workers: int, pin
     )
 
 
-def evaluate_offline(model, loader, call_kwargs: dict, device: str, autocast_dtype) -> dict:
-    """Validation metrics (loss, per-position full/conditional accuracy), token-weighted sums."""
+def evaluate_offline(
+    model, loader, call_kwargs: dict, device: str, autocast_dtype, d2t: np.ndarray | None = None, replay_max_tokens: int | None = None
+) -> dict:
+    """Validation metrics: speculators' loss and per-position full/conditional accuracy (token-weighted sums),
+    and, given ``d2t``, what vLLM would measure on the same answers.
+
+    ``replay_tau`` and ``replay_acc_j`` (``j < ttt_steps``) replay greedy speculative decoding
+    with ``k = ttt_steps`` over each validation answer (:mod:`eagle3_pipeline.acceptance`): τ
+    and the per-draft-step acceptance rates vLLM's counters would report, where ``full_acc_j``
+    weights every token alike. ``replay_max_tokens`` ends each replayed answer after that many
+    tokens, as ``evaluation.max_tokens`` ends vLLM's (``None``: whole answers).
+    """
+    from .acceptance import accepted_lengths, add_counters, draft_target_ids, replay_decoding
+    from .evaluation import acceptance_report
+
     model.eval()
     sums: dict[str, float] = defaultdict(float)
+    counters = None
+    k = call_kwargs["ttt_steps"]
     with torch.no_grad():
         for batch in loader:
             with torch.autocast(device.split(":")[0], dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                _, _, metrics = model(**_batch_to(batch, device), **call_kwargs)
-            for k, v in metrics.items():
-                sums[k] += float(v)
+                drafts, _, metrics = model(**_batch_to(batch, device), **call_kwargs)
+            for key, v in metrics.items():
+                sums[key] += float(v)
+            if d2t is not None:
+                ids, mask, doc = (batch[name].reshape(-1).numpy() for name in ("input_ids", "loss_mask", "document_ids"))
+                acc, anchors = accepted_lengths(draft_target_ids(drafts, d2t), ids, mask, doc)
+                counters = add_counters(counters, replay_decoding(acc, anchors, doc, k, replay_max_tokens))
     model.train()
-    return _step_metrics(dict(sums)) if sums else {}
+    out = _step_metrics(dict(sums)) if sums else {}
+    if counters is not None and counters["num_drafts"]:
+        rep = acceptance_report(counters, k)
+        out["replay_tau"] = rep["acceptance_length"]
+        out |= {f"replay_acc_{j}": r for j, r in enumerate(rep["per_position_acceptance_rate"])}
+    return out
+
+
+def evaluate_checkpoint(
+    drafter_dir: str,
+    target_path: str,
+    shards: list[str],
+    sample_ids: list[str] | None,
+    cfg: dict,
+    *,
+    ttt_steps: int,
+    max_seq_len: int,
+    replay_max_tokens: int | None = None,
+    trust_remote_code: bool = False,
+) -> dict:
+    """A finished drafter's offline metrics on stored samples, computed as training's validation computes them.
+
+    Args:
+        drafter_dir: a speculators-format drafter (``results/<run>/drafter``).
+        shards: hidden-state shards holding the samples (their stored layers must include
+            the drafter's aux layer ids).
+        sample_ids: the samples to evaluate (``None``: every sample of the shards).
+        cfg: the validated ``training:`` section (device, dtypes, loss, pack size).
+        ttt_steps: draft steps to run and replay (``k``; at most the drafter's own).
+
+    Returns:
+        :func:`evaluate_offline`'s metrics plus ``samples`` and ``tokens``.
+
+    Raises:
+        InputError: a sample id is in none of the shards.
+    """
+    from speculators.losses import resolve_loss_config
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+
+    device = resolve_device(cfg["device"])
+    readers = [ShardReader(p) for p in shards]
+    where = {sid: (s, i) for s, r in enumerate(readers) for i, sid in enumerate(r.sample_ids)}
+    missing = [sid for sid in sample_ids or [] if sid not in where]
+    if missing:
+        raise InputError(f"{len(missing)} sample(s) are in none of {shards}: {missing[:3]}")
+    items = [where[sid] for sid in sample_ids] if sample_ids is not None else sorted(where.values())
+    aux = list(Eagle3SpeculatorConfig.from_pretrained(drafter_dir).eagle_aux_hidden_state_layer_ids)
+    try:
+        aux, aux_columns = drafter_aux_columns(aux, readers[0].aux_layer_ids)
+    except ValueError as e:
+        raise InputError(f"{drafter_dir}: {e} ({readers[0].path})") from None
+    model = build_drafter(target_path, *_checkpoint_vocab(drafter_dir), aux, {**cfg, "init_from": drafter_dir}, device, trust_remote_code)
+    d2t = model.d2t.cpu().numpy()
+    hs_dtype, autocast = training_dtypes(cfg, device)
+    total_seq_len = max(cfg["pack_tokens"], max_seq_len)
+    loader = _loader(ShardDataset(readers, items, total_seq_len, hs_dtype, aux_columns), total_seq_len, model.hidden_size, len(aux), 0)
+    call_kwargs = {
+        "ttt_steps": ttt_steps,
+        "ttt_step_loss_decay": cfg["ttt_step_loss_decay"],
+        "loss_config": resolve_loss_config(cfg["loss"], "eager"),
+    }
+    out = evaluate_offline(model, loader, call_kwargs, device, autocast, d2t, replay_max_tokens)
+    lengths = [readers[s].lengths()[i] for s, i in items]
+    return out | {"samples": len(items), "tokens": int(sum(lengths))}
+
+
+def _checkpoint_vocab(drafter_dir: str) -> tuple[np.ndarray, np.ndarray]:
+    """A saved drafter's ``d2t`` and ``t2d`` buffers (speculators keeps them in the weights)."""
+    from safetensors import safe_open
+
+    for f in sorted(Path(drafter_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="np") as sf:
+            if {"d2t", "t2d"} <= set(sf.keys()):
+                return sf.get_tensor("d2t").astype(np.int64), sf.get_tensor("t2d").astype(bool)
+    raise InputError(f"{drafter_dir}: no d2t/t2d tensors in its weights; is it a speculators EAGLE-3 drafter?")
 
 
 class TrainCheckpoint:
@@ -702,7 +795,7 @@ def train(
                 snapshot(epoch, si + 1)
         mine = None  # ends the epoch's loader workers
         if val_loader is not None:
-            val_metrics = evaluate_offline(eval_model, val_loader, call_kwargs, device, autocast)
+            val_metrics = evaluate_offline(eval_model, val_loader, call_kwargs, device, autocast, d2t)
             lines.append({"split": "val", "step": step, "epoch": epoch, **val_metrics})
             logger.info("epoch %d validation: %s", epoch, {k: round(v, 4) for k, v in val_metrics.items()})
         if step < total_steps:

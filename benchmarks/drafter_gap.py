@@ -1,0 +1,511 @@
+"""Where a drafter's accuracy goes between training and vLLM: the gap decomposed, row by row.
+
+A finished run's drafter (or ``--variant``'s) is measured on the same prompts and tokens in
+several ways, each row τ and acceptance per draft position at ``k``:
+
+* ``offline/validation``: its validation samples (training's own split, the stored states),
+  speculators' token-weighted ``full_acc`` and the same answers replayed as vLLM decodes
+  them (:mod:`eagle3_pipeline.acceptance`): whole answers, and their first
+  ``evaluation.max_tokens`` tokens.
+* ``vllm/validation``: vLLM with the drafter on those samples' prompts (the traces' prompt
+  ids), answers as long as generation's and as the evaluation's.
+* ``offline/same-tokens``: vLLM's own answers of a vLLM row, prefilled by the ``hf`` backend
+  (the run's stored layers and storage dtype) and replayed: what vLLM should have measured
+  on exactly the tokens it emitted, if the drafter served as it trains.
+* ``vllm/eval``: the evaluation prompts with the evaluation's settings, then one engine
+  setting changed at a time: k = 1, prefix caching off, eager (no CUDA graphs), batch
+  invariance (``VLLM_BATCH_INVARIANT=1``), the other model runner (``VLLM_USE_V2_MODEL_RUNNER``),
+  one request at a time.
+* ``tensors``: for one request in an eager in-process engine, the aux hidden states vLLM hands
+  the drafter and the drafter's logits at each draft step, against the ``hf`` backend's
+  states for the same tokens and speculators' forward of the same checkpoint on them.
+
+Each vLLM row runs in its own process (engine settings read from the environment take
+effect), a failed row is recorded with its error and the rest go on, and ``--out`` is
+rewritten after every row. ``--rows`` picks rows by name prefix.
+
+    python benchmarks/drafter_gap.py --configfile config/examples/smollm2-h200.yaml \\
+        --prompts 200 --out benchmarks/results/drafter_gap_h200.json
+    (CPU, the demo run: --configfile config/config.yaml --prompts 20)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "workflow_scripts"))
+
+
+# --- configuration and inputs -------------------------------------------------------------------
+
+
+def load_config(configfiles: list[str], overrides: list[str]) -> dict:
+    """config/config.yaml, then each file over it (top-level sections replaced key by key), validated."""
+    from eagle3_pipeline.config import validate_config
+
+    cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    for f in [*configfiles, *overrides]:
+        extra = yaml.safe_load(Path(f).read_text()) if Path(f).exists() else yaml.safe_load(f)
+        for key, val in (extra or {}).items():
+            cfg[key] = cfg[key] | val if isinstance(val, dict) and isinstance(cfg.get(key), dict) else val
+    return validate_config(cfg)
+
+
+def target_dir(cfg: dict) -> str:
+    from eagle3_pipeline.target_model import BUILTIN_TARGET
+
+    return (
+        str(ROOT / "resources" / "models" / "smollm2-135m-instruct") if cfg["target"]["path"] == BUILTIN_TARGET else cfg["target"]["path"]
+    )
+
+
+def validation_traces(run: Path, val_fraction: float, limit: int) -> list[dict]:
+    """The first ``limit`` validation samples (training's split) as their trace records."""
+    from eagle3_pipeline.hidden_states import ShardReader
+    from eagle3_pipeline.io import read_jsonl
+    from eagle3_pipeline.training import split_items
+
+    readers = [ShardReader(p) for p in sorted((run / "hidden_states").glob("shard-?????.safetensors"))]
+    _, val = split_items(readers, val_fraction)
+    ids = [readers[s].sample_ids[i] for s, i in val][:limit]
+    traces = {r["id"]: r for p in sorted((run / "traces").glob("shard-?????.jsonl")) for r in read_jsonl(p)}
+    return [traces[i] for i in ids]
+
+
+def eval_prompt_ids(cfg: dict, run: Path, target: str) -> list[dict]:
+    """The evaluation prompts as ``{"id", "prompt_token_ids"}``, rendered as evaluate_drafter renders them."""
+    from eagle3_pipeline.generation import render_prompt_ids
+    from eagle3_pipeline.io import read_jsonl
+    from eagle3_pipeline.target_model import load_tokenizer
+
+    tok = load_tokenizer(target, cfg["target"]["trust_remote_code"])
+    kw = cfg["generation"]["chat_template_kwargs"]
+    return [
+        {"id": q["id"], "prompt_token_ids": render_prompt_ids(tok, [{"role": "user", "content": q["turns"][0]}], kw)}
+        for q in read_jsonl(run / "eval" / "prompts.jsonl")
+    ]
+
+
+# --- one vLLM engine, in a process of its own ---------------------------------------------------
+
+
+def engine_job(job: dict) -> dict:
+    """Run ``job["sets"]`` of prompts through one engine; per set, spec-decode counters and answers."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from eagle3_pipeline.engine import build_llm, shutdown_llm
+    from eagle3_pipeline.evaluation import acceptance_report, spec_decode_counters
+
+    t0 = time.perf_counter()
+    llm = build_llm(
+        job["target"], job["vllm"], seed=job["seed"], max_model_len=job["max_model_len"], speculative_config=job["spec"], **job["overrides"]
+    )
+    out = {"load_seconds": round(time.perf_counter() - t0, 1), "sets": {}}
+    for s in job["sets"]:
+        params = SamplingParams(temperature=0.0, max_tokens=s["max_tokens"])
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in s["prompts"]]
+        before = spec_decode_counters(llm.get_metrics()) if job["spec"] else None
+        t = time.perf_counter()
+        if s.get("sequential"):
+            outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        else:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        secs = time.perf_counter() - t
+        answers = [list(o.outputs[0].token_ids) for o in outs]
+        row = {"prompts": len(prompts), "output_tokens": sum(map(len, answers)), "seconds": round(secs, 2), "answers": answers}
+        if job["spec"]:
+            after = spec_decode_counters(llm.get_metrics())
+            delta = {key: after[key] - before[key] for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+            pp_before = before["accepted_per_position"] + [0] * (len(after["accepted_per_position"]) - len(before["accepted_per_position"]))
+            delta["accepted_per_position"] = [a - b for a, b in zip(after["accepted_per_position"], pp_before, strict=True)]
+            row |= acceptance_report(delta, job["spec"]["num_speculative_tokens"])
+        out["sets"][s["name"]] = row
+    shutdown_llm(llm)
+    return out
+
+
+def run_subprocess(kind: str, job: dict, env: dict, work: Path, log) -> dict:
+    """``python drafter_gap.py <kind> job.json result.json`` with ``env`` added; its result, or ``{"error"}``."""
+    work.mkdir(parents=True, exist_ok=True)
+    jf, rf = work / f"{job['name']}.job.json", work / f"{job['name']}.result.json"
+    jf.write_text(json.dumps(job))
+    rf.unlink(missing_ok=True)
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, kind, str(jf), str(rf)], env=os.environ | env, capture_output=True, text=True)
+    (work / f"{job['name']}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0 or not rf.exists():
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-12:]
+        print(f"[{job['name']}] failed (exit {proc.returncode}):\n  " + "\n  ".join(tail), file=log, flush=True)
+        return {"error": f"exit {proc.returncode}: " + " | ".join(tail[-3:]), "wall_seconds": round(time.perf_counter() - t, 1)}
+    res = json.loads(rf.read_text())
+    res["wall_seconds"] = round(time.perf_counter() - t, 1)
+    return res
+
+
+# --- tensors: what vLLM's drafter sees and computes for one request -----------------------------
+
+
+def tensors_job(job: dict) -> dict:
+    """One request through an in-process eager engine whose EAGLE-3 drafter records its inputs and logits,
+    compared with the ``hf`` backend's states and speculators' forward on the same tokens."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and worker in this process
+    import numpy as np
+    import torch
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.model_executor.models import llama_eagle3
+
+    from eagle3_pipeline.conventions import loss_mask
+    from eagle3_pipeline.engine import build_llm, shutdown_llm
+    from eagle3_pipeline.hidden_states import Sample, extract_hf, load_hf_target
+    from eagle3_pipeline.training import _checkpoint_vocab, build_drafter, resolve_device, training_dtypes
+
+    events: list[tuple[str, dict]] = []
+    cls = llama_eagle3.Eagle3LlamaForCausalLM
+    orig_combine, orig_forward, orig_logits = cls.combine_hidden_states, cls.forward, cls.compute_logits
+
+    def combine(self, hidden_states):
+        events.append(("combine", {"states": hidden_states.detach().float().cpu()}))
+        return orig_combine(self, hidden_states)
+
+    def forward(self, input_ids, positions, hidden_states, inputs_embeds=None):
+        events.append(("forward", {"ids": input_ids.detach().cpu().long(), "pos": positions.detach().cpu().long().reshape(-1)}))
+        return orig_forward(self, input_ids, positions, hidden_states, inputs_embeds)
+
+    def compute_logits(self, hidden_states):
+        out = orig_logits(self, hidden_states)
+        events.append(("logits", {"logits": out.detach().float().cpu()}))
+        return out
+
+    cls.combine_hidden_states, cls.forward, cls.compute_logits = combine, forward, compute_logits
+    llm = build_llm(
+        job["target"],
+        job["vllm"] | {"enforce_eager": True},
+        seed=job["seed"],
+        max_model_len=job["max_model_len"],
+        speculative_config=job["spec"],
+        distributed_executor_backend="uni",
+        **job["overrides"],
+    )
+    prompt = job["prompt"]
+    answer = list(
+        llm.generate(
+            [TokensPrompt(prompt_token_ids=prompt)], SamplingParams(temperature=0.0, max_tokens=job["max_tokens"]), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
+    shutdown_llm(llm)
+    del llm
+    cls.combine_hidden_states, cls.forward, cls.compute_logits = orig_combine, orig_forward, orig_logits
+    seq = prompt + answer
+    k = job["spec"]["num_speculative_tokens"]
+
+    # the drafter's propose calls: combine, then (forward, logits) per draft step
+    calls, cur = [], None
+    for kind, data in events:
+        if kind == "combine":
+            cur = {"states": data["states"], "steps": []}
+            calls.append(cur)
+        elif kind == "forward" and cur is not None:
+            cur["steps"].append({"ids": data["ids"], "pos": data["pos"]})
+        elif kind == "logits" and cur is not None and cur["steps"]:
+            cur["steps"][-1]["logits"] = data["logits"]
+
+    # offline: hf states of the final sequence and speculators' forward (step logits via a hook on lm_head)
+    device = resolve_device(job["training"]["device"])
+    aux = list(Eagle3SpeculatorConfig.from_pretrained(job["drafter"]).eagle_aux_hidden_state_layer_ids)
+    n_layers = job["num_hidden_layers"]
+    model = load_hf_target(job["target"], device=device)
+    states = extract_hf(
+        model,
+        [Sample("x", np.asarray(seq), loss_mask(len(prompt), len(answer)))],
+        [*aux, n_layers],
+        batch_tokens=len(seq),
+        storage_dtype=torch.float32,
+    )[0]
+    del model
+    d2t, t2d = _checkpoint_vocab(job["drafter"])
+    drafter = build_drafter(job["target"], d2t, t2d, aux, {**job["training"], "init_from": job["drafter"]}, device)
+    step_logits: list[torch.Tensor] = []
+    hook = drafter.lm_head.register_forward_hook(lambda _m, _i, o: step_logits.append(o.detach().float().cpu()[0]))
+    hs_dtype, autocast = training_dtypes(job["training"], device)
+    h = states[:, : len(aux)].reshape(len(seq), -1)
+    batch = {
+        "hidden_states": h[:-1].unsqueeze(0).to(device, hs_dtype),
+        "input_ids": torch.tensor(seq[1:], device=device).unsqueeze(0),
+        "document_ids": torch.zeros(1, len(seq) - 1, dtype=torch.long, device=device),
+        "position_ids": torch.arange(1, len(seq), device=device).unsqueeze(0),
+    }
+    with torch.no_grad(), torch.autocast(device.split(":")[0], dtype=autocast, enabled=autocast is not None):
+        drafter(**batch, ttt_steps=k)
+    hook.remove()
+    target_ids = torch.from_numpy(np.arange(len(d2t)) + d2t)  # draft index -> target id
+
+    def bf16_steps(a: torch.Tensor, b: torch.Tensor) -> float:
+        """Largest |a - b| in units of one bf16 step at the larger operand's magnitude."""
+        scale = torch.maximum(a.abs(), b.abs()).clamp_min(1e-6)
+        return float(((a - b).abs() / (scale * 2.0**-7)).max())
+
+    aux_rows, aux_rel, aux_steps = 0, [], []
+    logit_rows = [{"compared": 0, "top1_agree": 0, "max_abs_diff": 0.0, "vllm_top1_right": 0, "offline_top1_right": 0} for _ in range(k)]
+    for call in calls:
+        if not call["steps"]:
+            continue
+        step0 = call["steps"][0]
+        ids, pos = step0["ids"], step0["pos"]
+        n = min(len(ids), len(pos), call["states"].shape[0])
+        genuine = [
+            r
+            for r in range(n)
+            if 0 <= pos[r] < len(seq) - 1 and int(ids[r]) == seq[pos[r] + 1] and (r == 0 or int(ids[r - 1]) == seq[pos[r]])
+        ]
+        for r in genuine:
+            a, b = call["states"][r], h[pos[r]]
+            aux_rows += 1
+            aux_rel.append(float((a - b).norm() / b.norm().clamp_min(1e-6)))
+            aux_steps.append(bf16_steps(a, b))
+        if not genuine or "logits" not in step0:
+            continue
+        anchor = int(max(pos[r] for r in genuine))
+        for j, st in enumerate(call["steps"][:k]):
+            if "logits" not in st or anchor + 2 + j >= len(seq):
+                break
+            row = st["logits"][-1]
+            v = row if row.shape[-1] == len(d2t) else row[target_ids]  # this request's draft logits, draft-vocab order
+            o = step_logits[j][anchor]  # speculators: step j of the draft made at row `anchor`
+            lr = logit_rows[j]
+            lr["compared"] += 1
+            lr["top1_agree"] += int(v.argmax() == o.argmax())
+            lr["max_abs_diff"] = max(lr["max_abs_diff"], float((v - o).abs().max()))
+            lr["vllm_top1_right"] += int(int(target_ids[v.argmax()]) == seq[anchor + 2 + j])
+            lr["offline_top1_right"] += int(int(target_ids[o.argmax()]) == seq[anchor + 2 + j])
+            if int(target_ids[v.argmax()]) != seq[anchor + 2 + j]:
+                break  # later steps ran on a wrong draft in vLLM, on the true token offline: not comparable
+    return {
+        "prompt_tokens": len(prompt),
+        "answer_tokens": len(answer),
+        "propose_calls": len(calls),
+        "aux_states": {
+            "rows_compared": aux_rows,
+            "relative_rms_diff_max": max(aux_rel, default=None),
+            "relative_rms_diff_mean": float(np.mean(aux_rel)) if aux_rel else None,
+            "bf16_steps_max": max(aux_steps, default=None),
+            "bf16_steps_median": float(np.median(aux_steps)) if aux_steps else None,
+        },
+        "draft_logits_per_step": logit_rows,
+    }
+
+
+# --- offline rows ---------------------------------------------------------------------------------
+
+
+def offline_row(drafter: str, target: str, shards: list[str], ids: list[str] | None, cfg: dict, k: int, max_tokens: int | None) -> dict:
+    from eagle3_pipeline.training import evaluate_checkpoint
+
+    m = evaluate_checkpoint(
+        drafter, target, shards, ids, cfg["training"], ttt_steps=k, max_seq_len=cfg["max_seq_len"], replay_max_tokens=max_tokens
+    )
+    return {
+        "samples": m["samples"],
+        "max_tokens": max_tokens,
+        "tau": m.get("replay_tau"),
+        "per_position": [m.get(f"replay_acc_{j}") for j in range(k)],
+        "speculators_full_acc": [m.get(f"full_acc_{j}") for j in range(k)],
+        "speculators_tau": 1 + sum(m.get(f"full_acc_{j}") or 0 for j in range(k)),
+    }
+
+
+def same_tokens_shard(
+    cfg: dict, target: str, stored: list[str], prompts: list[list[int]], answers: list[list[int]], path: Path
+) -> list[str]:
+    """vLLM's answers prefilled by the hf backend into a shard of the run's stored layers and storage dtype."""
+    import numpy as np
+    import torch
+
+    from eagle3_pipeline.conventions import loss_mask
+    from eagle3_pipeline.hidden_states import FP8, Sample, ShardReader, extract_hf, load_hf_target, write_shard
+
+    r = ShardReader(stored[0])
+    samples = [
+        Sample(f"s{i:05d}", np.asarray(p + a, dtype=np.int64), loss_mask(len(p), len(a)))
+        for i, (p, a) in enumerate(zip(prompts, answers, strict=True))
+        if len(a) >= 2
+    ]
+    model = load_hf_target(target, device=cfg["extraction"]["device"], trust_remote_code=cfg["target"]["trust_remote_code"])
+    states = extract_hf(model, samples, r.layer_ids, batch_tokens=cfg["extraction"]["batch_tokens"], storage_dtype=torch.bfloat16)
+    del model
+    dtype = FP8 if cfg["extraction"]["storage_dtype"] == "float8_e4m3fn" else torch.bfloat16
+    write_shard(
+        path, samples, states, layer_ids=r.layer_ids, aux_layer_ids=r.aux_layer_ids, index_path=None, storage_dtype=dtype, checksum=False
+    )
+    return [s.id for s in samples]
+
+
+# --- the decomposition ----------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configfile", nargs="+", default=[str(ROOT / "config" / "config.yaml")])
+    ap.add_argument("--config", nargs="*", default=[], help="YAML snippets applied last, e.g. 'vllm: {max_num_seqs: 256}'")
+    ap.add_argument("--variant", help="a sweep variant's drafter instead of the run's")
+    ap.add_argument("--prompts", type=int, default=200, help="validation prompts")
+    ap.add_argument("--rows", nargs="*", help="row name prefixes to run (default: all)")
+    ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "drafter_gap"))
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    import torch
+
+    cfg = load_config(args.configfile, args.config)
+    run = ROOT / "results" / cfg["run"]
+    target = target_dir(cfg)
+    own = run / "sweep" / args.variant if args.variant else run
+    acc = json.loads((own / "eval" / "acceptance.json").read_text())
+    drafter = acc["drafter"] if args.variant else str((run / "drafter").resolve())
+    k = acc["num_speculative_tokens"]
+    gen_len, eval_len = cfg["generation"]["max_tokens"], cfg["evaluation"]["max_tokens"]
+    shards = [str(p) for p in sorted((run / "hidden_states").glob("shard-?????.safetensors"))]
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    on_gpu = torch.cuda.is_available()
+    from eagle3_pipeline.engine import engine_identity
+    from eagle3_pipeline.target_model import num_hidden_layers
+
+    val = validation_traces(run, cfg["training"]["val_fraction"], args.prompts)
+    evalp = eval_prompt_ids(cfg, run, target)
+    vllm_cfg = cfg["vllm"] | ({} if cfg["evaluation"]["enforce_eager"] is None else {"enforce_eager": cfg["evaluation"]["enforce_eager"]})
+    spec = {"method": "eagle3", "model": drafter, "num_speculative_tokens": k}
+    result: dict = {
+        "run": cfg["run"],
+        "variant": args.variant,
+        "drafter": drafter,
+        "k": k,
+        "validation_prompts": len(val),
+        "eval_prompts": len(evalp),
+        "generation_max_tokens": gen_len,
+        "eval_max_tokens": eval_len,
+        "evaluate_drafter": {"tau": acc["acceptance_length"], "per_position": acc["per_position_acceptance_rate"]},
+        "engine": engine_identity(),
+        "gpu": torch.cuda.get_device_name(0) if on_gpu else None,
+        "rows": {},
+        "command": " ".join(["python", *sys.argv]),
+    }
+
+    def want(name: str) -> bool:
+        return not args.rows or any(name.startswith(p) for p in args.rows)
+
+    def save() -> None:
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+    def record(name: str, row: dict) -> None:
+        result["rows"][name] = row
+        short = {
+            key: row.get(key) for key in ("tau", "acceptance_length", "per_position", "per_position_acceptance_rate", "error") if key in row
+        }
+        print(f"[{name}] {json.dumps(short)}", flush=True)
+        save()
+
+    vp = [t["prompt_token_ids"] for t in val]
+    ep = [q["prompt_token_ids"] for q in evalp]
+    base_job = {"target": target, "vllm": vllm_cfg, "seed": cfg["seed"], "max_model_len": cfg["max_seq_len"], "spec": spec, "overrides": {}}
+    engines = [
+        # name, env, vllm settings, spec k, sets
+        (
+            "vllm/default",
+            {},
+            {},
+            k,
+            [
+                ("eval", ep, eval_len, False),
+                ("validation", vp, gen_len, False),
+                ("validation-short", vp, eval_len, False),
+                ("eval-one-at-a-time", ep, eval_len, True),
+            ],
+        ),
+        ("vllm/k1", {}, {}, 1, [("eval", ep, eval_len, False), ("validation", vp, gen_len, False)]),
+        ("vllm/no-prefix-cache", {}, {"enable_prefix_caching": False}, k, [("eval", ep, eval_len, False)]),
+        ("vllm/batch-invariant", {"VLLM_BATCH_INVARIANT": "1"}, {}, k, [("eval", ep, eval_len, False)]),
+    ]
+    if on_gpu:
+        engines += [
+            ("vllm/eager", {}, {"enforce_eager": True}, k, [("eval", ep, eval_len, False)]),
+            ("vllm/runner-v1", {"VLLM_USE_V2_MODEL_RUNNER": "0"}, {}, k, [("eval", ep, eval_len, False)]),
+            ("vllm/runner-v2", {"VLLM_USE_V2_MODEL_RUNNER": "1"}, {}, k, [("eval", ep, eval_len, False)]),
+        ]
+    answers: dict[str, list[list[int]]] = {}
+    for name, env, vset, kk, sets in engines:
+        if not want(name):
+            continue
+        job = base_job | {
+            "name": name.replace("/", "_"),
+            "vllm": vllm_cfg | vset,
+            "spec": spec | {"num_speculative_tokens": kk},
+            "sets": [{"name": s, "prompts": p, "max_tokens": m, "sequential": seq} for s, p, m, seq in sets],
+        }
+        res = run_subprocess("engine", job, env, work, sys.stdout)
+        if "error" in res:
+            record(name, {"env": env, "settings": vset, "k": kk, **res})
+            continue
+        for s, row in res["sets"].items():
+            answers[f"{name}/{s}"] = row.pop("answers")
+            record(f"{name}/{s}", {"env": env, "settings": vset, "k": kk, "load_seconds": res["load_seconds"], **row})
+    if "vllm/default/validation" in answers:
+        same = sum(a == t["completion_token_ids"] for a, t in zip(answers["vllm/default/validation"], val, strict=True))
+        result["validation_answers_equal_to_traces"] = {"equal": same, "of": len(val)}
+
+    if want("offline/validation"):
+        for name, mt in (("offline/validation", None), ("offline/validation-short", eval_len)):
+            try:
+                record(name, offline_row(drafter, target, shards, [t["id"] for t in val], cfg, k, mt))
+            except Exception as e:  # noqa: BLE001 (a row's failure is recorded, the rest go on)
+                traceback.print_exc()
+                record(name, {"error": repr(e)})
+    for src, prompts in (("vllm/default/eval", ep), ("vllm/default/validation", vp), ("vllm/default/validation-short", vp)):
+        name = "offline/same-tokens/" + src.split("/")[-1]
+        if not want(name) or src not in answers:
+            continue
+        try:
+            path = work / f"same-{src.split('/')[-1]}.safetensors"
+            ids = same_tokens_shard(cfg, target, shards, prompts, answers[src], path)
+            record(name, offline_row(drafter, target, [str(path)], ids, cfg, k, None) | {"of": src})
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            record(name, {"error": repr(e)})
+
+    if want("tensors"):
+        job = base_job | {
+            "name": "tensors",
+            "prompt": ep[0],
+            "max_tokens": 64,
+            "drafter": drafter,
+            "training": cfg["training"],
+            "num_hidden_layers": num_hidden_layers(target),
+        }
+        record("tensors", run_subprocess("tensors", job, {}, work, sys.stdout))
+    save()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] in ("engine", "tensors"):
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        payload = json.loads(Path(sys.argv[2]).read_text())
+        out = engine_job(payload) if sys.argv[1] == "engine" else tensors_job(payload)
+        Path(sys.argv[3]).write_text(json.dumps(out))
+    else:
+        main()
