@@ -13,9 +13,9 @@ several ways, each row τ and acceptance per draft position at ``k``:
   (the run's stored layers and storage dtype) and replayed: what vLLM should have measured
   on exactly the tokens it emitted, if the drafter served as it trains.
 * ``vllm/eval``: the evaluation prompts with the evaluation's settings, then one engine
-  setting changed at a time: k = 1, prefix caching off, eager (no CUDA graphs), batch
-  invariance (``VLLM_BATCH_INVARIANT=1``), the other model runner (``VLLM_USE_V2_MODEL_RUNNER``),
-  one request at a time.
+  setting changed at a time against an eager engine (``vllm/eager``: no CUDA graphs): k = 1,
+  prefix caching flipped, batch invariance (``VLLM_BATCH_INVARIANT=1``), model runner V1 and
+  V2 (``VLLM_USE_V2_MODEL_RUNNER``, GPU); and the evaluation's engine one request at a time.
 * ``tensors``: for one request in an eager in-process engine, the aux hidden states vLLM hands
   the drafter and the drafter's logits at each draft step, against the ``hf`` backend's
   states for the same tokens and speculators' forward of the same checkpoint on them.
@@ -51,14 +51,17 @@ sys.path.insert(0, str(ROOT / "workflow_scripts"))
 
 
 def load_config(configfiles: list[str], overrides: list[str]) -> dict:
-    """config/config.yaml, then each file over it (top-level sections replaced key by key), validated."""
+    """config/config.yaml, then each file and YAML snippet merged over it as Snakemake merges
+    ``--configfile`` and ``--config`` (``snakemake.utils.update_config``), validated."""
+    from snakemake.utils import update_config
+
     from eagle3_pipeline.config import validate_config
 
     cfg = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
-    for f in [*configfiles, *overrides]:
-        extra = yaml.safe_load(Path(f).read_text()) if Path(f).exists() else yaml.safe_load(f)
-        for key, val in (extra or {}).items():
-            cfg[key] = cfg[key] | val if isinstance(val, dict) and isinstance(cfg.get(key), dict) else val
+    for f in configfiles:
+        update_config(cfg, yaml.safe_load(Path(f).read_text()) or {})
+    for snippet in overrides:
+        update_config(cfg, yaml.safe_load(snippet) or {})
     return validate_config(cfg)
 
 
@@ -100,8 +103,9 @@ def eval_prompt_ids(cfg: dict, run: Path, target: str) -> list[dict]:
 # --- one vLLM engine, in a process of its own ---------------------------------------------------
 
 
-def engine_job(job: dict) -> dict:
-    """Run ``job["sets"]`` of prompts through one engine; per set, spec-decode counters and answers."""
+def engine_job(job: dict, result_path: Path) -> dict:
+    """Run ``job["sets"]`` of prompts through one engine; per set, spec-decode counters and answers,
+    written to ``result_path`` after each set (a job stopped at its deadline keeps its finished sets)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -132,25 +136,39 @@ def engine_job(job: dict) -> dict:
             delta["accepted_per_position"] = [a - b for a, b in zip(after["accepted_per_position"], pp_before, strict=True)]
             row |= acceptance_report(delta, job["spec"]["num_speculative_tokens"])
         out["sets"][s["name"]] = row
+        result_path.write_text(json.dumps(out))
     shutdown_llm(llm)
     return out
 
 
-def run_subprocess(kind: str, job: dict, env: dict, work: Path, log) -> dict:
-    """``python drafter_gap.py <kind> job.json result.json`` with ``env`` added; its result, or ``{"error"}``."""
+def run_subprocess(kind: str, job: dict, env: dict, work: Path, log, timeout: float | None = None) -> dict:
+    """``python drafter_gap.py <kind> job.json result.json`` with ``env`` added, stopped after ``timeout`` s.
+
+    Returns:
+        its result (for an engine job stopped early or failed, the sets it finished, with
+        ``error``), or ``{"error"}``.
+    """
     work.mkdir(parents=True, exist_ok=True)
     jf, rf = work / f"{job['name']}.job.json", work / f"{job['name']}.result.json"
     jf.write_text(json.dumps(job))
     rf.unlink(missing_ok=True)
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, kind, str(jf), str(rf)], env=os.environ | env, capture_output=True, text=True)
-    (work / f"{job['name']}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0 or not rf.exists():
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-12:]
-        print(f"[{job['name']}] failed (exit {proc.returncode}):\n  " + "\n  ".join(tail), file=log, flush=True)
-        return {"error": f"exit {proc.returncode}: " + " | ".join(tail[-3:]), "wall_seconds": round(time.perf_counter() - t, 1)}
-    res = json.loads(rf.read_text())
+    cmd = [sys.executable, __file__, kind, str(jf), str(rf)]
+    with open(work / f"{job['name']}.log", "w") as out:
+        proc = subprocess.Popen(cmd, env=os.environ | env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)  # the engine's processes too
+            proc.wait()
+            rc = "deadline"
+    text = (work / f"{job['name']}.log").read_text(errors="replace")
+    res = json.loads(rf.read_text()) if rf.exists() else {}
     res["wall_seconds"] = round(time.perf_counter() - t, 1)
+    if rc != 0:
+        tail = text.strip().splitlines()[-12:]
+        print(f"[{job['name']}] stopped ({rc}):\n  " + "\n  ".join(tail), file=log, flush=True)
+        res["error"] = "stopped at the deadline" if rc == "deadline" else f"exit {rc}: " + " | ".join(tail[-3:])
     return res
 
 
@@ -178,16 +196,18 @@ def tensors_job(job: dict) -> dict:
     orig_combine, orig_forward, orig_logits = cls.combine_hidden_states, cls.forward, cls.compute_logits
 
     def combine(self, hidden_states):
-        events.append(("combine", {"states": hidden_states.detach().float().cpu()}))
+        events.append(("combine", {"states": hidden_states.detach().float().cpu().clone()}))  # vLLM reuses its buffers
         return orig_combine(self, hidden_states)
 
     def forward(self, input_ids, positions, hidden_states, inputs_embeds=None):
-        events.append(("forward", {"ids": input_ids.detach().cpu().long(), "pos": positions.detach().cpu().long().reshape(-1)}))
+        events.append(
+            ("forward", {"ids": input_ids.detach().cpu().long().clone(), "pos": positions.detach().cpu().long().reshape(-1).clone()})
+        )
         return orig_forward(self, input_ids, positions, hidden_states, inputs_embeds)
 
     def compute_logits(self, hidden_states):
         out = orig_logits(self, hidden_states)
-        events.append(("logits", {"logits": out.detach().float().cpu()}))
+        events.append(("logits", {"logits": out.detach().float().cpu().clone()}))
         return out
 
     cls.combine_hidden_states, cls.forward, cls.compute_logits = combine, forward, compute_logits
@@ -256,28 +276,48 @@ def tensors_job(job: dict) -> dict:
     target_ids = torch.from_numpy(np.arange(len(d2t)) + d2t)  # draft index -> target id
 
     def bf16_steps(a: torch.Tensor, b: torch.Tensor) -> float:
-        """Largest |a - b| in units of one bf16 step at the larger operand's magnitude."""
-        scale = torch.maximum(a.abs(), b.abs()).clamp_min(1e-6)
-        return float(((a - b).abs() / (scale * 2.0**-7)).max())
+        """Largest |a - b| in bf16 steps at the row's largest value (2^-8 of max |b|: bf16 keeps 8 significant bits)."""
+        return float((a - b).abs().max() / (b.abs().max().clamp_min(1e-12) * 2.0**-8))
 
-    aux_rows, aux_rel, aux_steps = 0, [], []
+    sample = []  # the first propose calls as recorded, to read how this vLLM version calls the drafter
+    for call in calls[:6]:
+        st = call["steps"]
+        sample.append(
+            {
+                "rows": int(call["states"].shape[0]),
+                "step0_positions": st[0]["pos"].tolist() if st else None,
+                "step0_ids": st[0]["ids"].tolist() if st else None,
+                "true_next_ids": [seq[p + 1] if 0 <= p + 1 < len(seq) else None for p in st[0]["pos"].tolist()] if st else None,
+                "steps": len(st),
+                "logits_rows": [int(x["logits"].shape[0]) if "logits" in x else None for x in st],
+            }
+        )
+    aux_rows, aux_rel, aux_steps, worst = 0, [], [], []
     logit_rows = [{"compared": 0, "top1_agree": 0, "max_abs_diff": 0.0, "vllm_top1_right": 0, "offline_top1_right": 0} for _ in range(k)]
-    for call in calls:
+    starts = [int(c["steps"][0]["pos"][0]) if c["steps"] else None for c in calls]
+    for ci, call in enumerate(calls):
         if not call["steps"]:
             continue
         step0 = call["steps"][0]
         ids, pos = step0["ids"], step0["pos"]
         n = min(len(ids), len(pos), call["states"].shape[0])
-        genuine = [
-            r
-            for r in range(n)
-            if 0 <= pos[r] < len(seq) - 1 and int(ids[r]) == seq[pos[r] + 1] and (r == 0 or int(ids[r - 1]) == seq[pos[r]])
-        ]
+        # Rows hold the positions the target just verified; row r feeds the token after pos[r]
+        # (vLLM shifts the ids by one), and rows past the last accepted token hold rejected
+        # drafts (whose ids may still equal the true tokens by chance). The last accepted
+        # position is the one before the next call's first row (the target's own token).
+        last = next((x for x in starts[ci + 1 :] if x is not None), None)
+        genuine = []
+        for r in range(n):
+            if not (0 <= pos[r] < len(seq) - 1 and int(ids[r]) == seq[pos[r] + 1]) or (last is not None and pos[r] > last - 1):
+                break
+            genuine.append(r)
         for r in genuine:
             a, b = call["states"][r], h[pos[r]]
             aux_rows += 1
             aux_rel.append(float((a - b).norm() / b.norm().clamp_min(1e-6)))
             aux_steps.append(bf16_steps(a, b))
+            if aux_rel[-1] > 0.05 and len(worst) < 8:
+                worst.append({"position": int(pos[r]), "row": r, "call_rows": n, "relative_rms_diff": aux_rel[-1]})
         if not genuine or "logits" not in step0:
             continue
         anchor = int(max(pos[r] for r in genuine))
@@ -291,6 +331,10 @@ def tensors_job(job: dict) -> dict:
             lr["compared"] += 1
             lr["top1_agree"] += int(v.argmax() == o.argmax())
             lr["max_abs_diff"] = max(lr["max_abs_diff"], float((v - o).abs().max()))
+            if float((v - o).abs().max()) > 0.5 and len(worst) < 16:
+                worst.append(
+                    {"step": j, "anchor": anchor, "genuine_rows": len(genuine), "call_rows": n, "max_abs_diff": float((v - o).abs().max())}
+                )
             lr["vllm_top1_right"] += int(int(target_ids[v.argmax()]) == seq[anchor + 2 + j])
             lr["offline_top1_right"] += int(int(target_ids[o.argmax()]) == seq[anchor + 2 + j])
             if int(target_ids[v.argmax()]) != seq[anchor + 2 + j]:
@@ -299,6 +343,7 @@ def tensors_job(job: dict) -> dict:
         "prompt_tokens": len(prompt),
         "answer_tokens": len(answer),
         "propose_calls": len(calls),
+        "first_calls": sample,
         "aux_states": {
             "rows_compared": aux_rows,
             "relative_rms_diff_max": max(aux_rel, default=None),
@@ -307,6 +352,7 @@ def tensors_job(job: dict) -> dict:
             "bf16_steps_median": float(np.median(aux_steps)) if aux_steps else None,
         },
         "draft_logits_per_step": logit_rows,
+        "largest_differences": worst,
     }
 
 
@@ -364,8 +410,9 @@ def main() -> None:
     ap.add_argument("--config", nargs="*", default=[], help="YAML snippets applied last, e.g. 'vllm: {max_num_seqs: 256}'")
     ap.add_argument("--variant", help="a sweep variant's drafter instead of the run's")
     ap.add_argument("--prompts", type=int, default=200, help="validation prompts")
-    ap.add_argument("--rows", nargs="*", help="row name prefixes to run (default: all)")
+    ap.add_argument("--rows", nargs="*", help="row name prefixes to run, in this order (default: all)")
     ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "drafter_gap"))
+    ap.add_argument("--deadline", type=float, help="seconds: start no row after it, stop a running vLLM row at it (a leased GPU)")
     ap.add_argument("--out")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -375,9 +422,11 @@ def main() -> None:
     run = ROOT / "results" / cfg["run"]
     target = target_dir(cfg)
     own = run / "sweep" / args.variant if args.variant else run
-    acc = json.loads((own / "eval" / "acceptance.json").read_text())
-    drafter = acc["drafter"] if args.variant else str((run / "drafter").resolve())
-    k = acc["num_speculative_tokens"]
+    acc_path = own / "eval" / "acceptance.json"  # absent when the run stopped after training
+    acc = json.loads(acc_path.read_text()) if acc_path.exists() else {}
+    drafter = str((own / "drafter").resolve()) if args.variant and (own / "drafter").exists() else acc.get("drafter")
+    drafter = drafter or str((run / "drafter").resolve())
+    k = acc.get("num_speculative_tokens") or cfg["evaluation"]["num_speculative_tokens"] or cfg["training"]["ttt_steps"]
     gen_len, eval_len = cfg["generation"]["max_tokens"], cfg["evaluation"]["max_tokens"]
     shards = [str(p) for p in sorted((run / "hidden_states").glob("shard-?????.safetensors"))]
     work = Path(args.work)
@@ -399,12 +448,19 @@ def main() -> None:
         "eval_prompts": len(evalp),
         "generation_max_tokens": gen_len,
         "eval_max_tokens": eval_len,
-        "evaluate_drafter": {"tau": acc["acceptance_length"], "per_position": acc["per_position_acceptance_rate"]},
+        "evaluate_drafter": {"tau": acc.get("acceptance_length"), "per_position": acc.get("per_position_acceptance_rate")},
         "engine": engine_identity(),
         "gpu": torch.cuda.get_device_name(0) if on_gpu else None,
         "rows": {},
         "command": " ".join(["python", *sys.argv]),
+        "config": cfg,
     }
+
+    started = time.perf_counter()
+
+    def left() -> float | None:
+        """Seconds to ``--deadline`` (None: no deadline)."""
+        return None if not args.deadline else args.deadline - (time.perf_counter() - started)
 
     def want(name: str) -> bool:
         return not args.rows or any(name.startswith(p) for p in args.rows)
@@ -424,6 +480,12 @@ def main() -> None:
     vp = [t["prompt_token_ids"] for t in val]
     ep = [q["prompt_token_ids"] for q in evalp]
     base_job = {"target": target, "vllm": vllm_cfg, "seed": cfg["seed"], "max_model_len": cfg["max_seq_len"], "spec": spec, "overrides": {}}
+    # The evaluation's own engine first; then one setting changed at a time against an eager
+    # engine (cheap to start: on a GPU each CUDA-graph engine start costs a minute), which the
+    # "vllm/eager" row compares with the evaluation's own.
+    eager = {"enforce_eager": True}
+    prefix = not vllm_cfg["enable_prefix_caching"]
+    one = [("eval", ep, eval_len, False)]
     engines = [
         # name, env, vllm settings, spec k, sets
         (
@@ -438,57 +500,57 @@ def main() -> None:
                 ("eval-one-at-a-time", ep, eval_len, True),
             ],
         ),
-        ("vllm/k1", {}, {}, 1, [("eval", ep, eval_len, False), ("validation", vp, gen_len, False)]),
-        ("vllm/no-prefix-cache", {}, {"enable_prefix_caching": False}, k, [("eval", ep, eval_len, False)]),
-        ("vllm/batch-invariant", {"VLLM_BATCH_INVARIANT": "1"}, {}, k, [("eval", ep, eval_len, False)]),
+        ("vllm/eager", {}, eager, k, one),
+        ("vllm/k1", {}, eager, 1, [("eval", ep, eval_len, False), ("validation", vp, gen_len, False)]),
+        (f"vllm/prefix-cache-{'on' if prefix else 'off'}", {}, eager | {"enable_prefix_caching": prefix}, k, one),
+        ("vllm/batch-invariant", {"VLLM_BATCH_INVARIANT": "1"}, eager, k, one),
     ]
-    if on_gpu:
+    if on_gpu:  # vLLM 0.26 picks model runner V2 for a dense target with eagle3 unless told
         engines += [
-            ("vllm/eager", {}, {"enforce_eager": True}, k, [("eval", ep, eval_len, False)]),
-            ("vllm/runner-v1", {"VLLM_USE_V2_MODEL_RUNNER": "0"}, {}, k, [("eval", ep, eval_len, False)]),
-            ("vllm/runner-v2", {"VLLM_USE_V2_MODEL_RUNNER": "1"}, {}, k, [("eval", ep, eval_len, False)]),
+            ("vllm/runner-v1", {"VLLM_USE_V2_MODEL_RUNNER": "0"}, eager, k, one),
+            ("vllm/runner-v2", {"VLLM_USE_V2_MODEL_RUNNER": "1"}, eager, k, one),
         ]
     answers: dict[str, list[list[int]]] = {}
-    for name, env, vset, kk, sets in engines:
-        if not want(name):
-            continue
-        job = base_job | {
-            "name": name.replace("/", "_"),
-            "vllm": vllm_cfg | vset,
-            "spec": spec | {"num_speculative_tokens": kk},
-            "sets": [{"name": s, "prompts": p, "max_tokens": m, "sequential": seq} for s, p, m, seq in sets],
-        }
-        res = run_subprocess("engine", job, env, work, sys.stdout)
-        if "error" in res:
-            record(name, {"env": env, "settings": vset, "k": kk, **res})
-            continue
-        for s, row in res["sets"].items():
-            answers[f"{name}/{s}"] = row.pop("answers")
-            record(f"{name}/{s}", {"env": env, "settings": vset, "k": kk, "load_seconds": res["load_seconds"], **row})
-    if "vllm/default/validation" in answers:
-        same = sum(a == t["completion_token_ids"] for a, t in zip(answers["vllm/default/validation"], val, strict=True))
-        result["validation_answers_equal_to_traces"] = {"equal": same, "of": len(val)}
+    tasks = []  # (row name, function): run in the order --rows names them, else as listed
 
-    if want("offline/validation"):
-        for name, mt in (("offline/validation", None), ("offline/validation-short", eval_len)):
-            try:
-                record(name, offline_row(drafter, target, shards, [t["id"] for t in val], cfg, k, mt))
-            except Exception as e:  # noqa: BLE001 (a row's failure is recorded, the rest go on)
-                traceback.print_exc()
-                record(name, {"error": repr(e)})
-    for src, prompts in (("vllm/default/eval", ep), ("vllm/default/validation", vp), ("vllm/default/validation-short", vp)):
-        name = "offline/same-tokens/" + src.split("/")[-1]
-        if not want(name) or src not in answers:
-            continue
-        try:
+    def engine_task(name, env, vset, kk, sets):
+        def run() -> None:
+            job = base_job | {
+                "name": name.replace("/", "_"),
+                "vllm": vllm_cfg | vset,
+                "spec": spec | {"num_speculative_tokens": kk},
+                "sets": [{"name": s, "prompts": p, "max_tokens": m, "sequential": seq} for s, p, m, seq in sets],
+            }
+            res = run_subprocess("engine", job, env, work, sys.stdout, left())
+            if "error" in res:
+                record(name, {"env": env, "settings": vset, "k": kk, "error": res["error"], "wall_seconds": res["wall_seconds"]})
+            for s, row in res.get("sets", {}).items():
+                answers[f"{name}/{s}"] = row.pop("answers")
+                record(f"{name}/{s}", {"env": env, "settings": vset, "k": kk, "load_seconds": res["load_seconds"], **row})
+            if name == "vllm/default" and "vllm/default/validation" in answers:
+                same = sum(a == t["completion_token_ids"] for a, t in zip(answers["vllm/default/validation"], val, strict=True))
+                result["validation_answers_equal_to_traces"] = {"equal": same, "of": len(val)}
+
+        return run
+
+    def offline_task(name, mt):
+        def run() -> None:
+            record(name, offline_row(drafter, target, shards, [t["id"] for t in val], cfg, k, mt))
+
+        return run
+
+    def same_tokens_task(name, src, prompts):
+        def run() -> None:
+            if src not in answers:
+                record(name, {"error": f"no answers of {src} (run that row first)"})
+                return
             path = work / f"same-{src.split('/')[-1]}.safetensors"
             ids = same_tokens_shard(cfg, target, shards, prompts, answers[src], path)
             record(name, offline_row(drafter, target, [str(path)], ids, cfg, k, None) | {"of": src})
-        except Exception as e:  # noqa: BLE001
-            traceback.print_exc()
-            record(name, {"error": repr(e)})
 
-    if want("tensors"):
+        return run
+
+    def tensors_task() -> None:
         job = base_job | {
             "name": "tensors",
             "prompt": ep[0],
@@ -497,7 +559,27 @@ def main() -> None:
             "training": cfg["training"],
             "num_hidden_layers": num_hidden_layers(target),
         }
-        record("tensors", run_subprocess("tensors", job, {}, work, sys.stdout))
+        record("tensors", run_subprocess("tensors", job, {}, work, sys.stdout, left()))
+
+    tasks += [(e[0], engine_task(*e)) for e in engines]
+    tasks += [("offline/validation", offline_task("offline/validation", None))]
+    tasks += [("offline/validation-short", offline_task("offline/validation-short", eval_len))]
+    for src, prompts in (("vllm/default/eval", ep), ("vllm/default/validation", vp), ("vllm/default/validation-short", vp)):
+        name = "offline/same-tokens/" + src.split("/")[-1]
+        tasks.append((name, same_tokens_task(name, src, prompts)))
+    tasks.append(("tensors", tensors_task))
+    if args.rows:
+        order = lambda name: min((i for i, p in enumerate(args.rows) if name.startswith(p)), default=len(args.rows))  # noqa: E731
+        tasks = sorted((t for t in tasks if want(t[0])), key=lambda t: order(t[0]))
+    for name, fn in tasks:
+        if args.deadline and left() <= 0:
+            record(name, {"error": "not run: --deadline reached"})
+            continue
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 (a row's failure is recorded, the rest go on)
+            traceback.print_exc()
+            record(name, {"error": repr(e)})
     save()
 
 
@@ -505,7 +587,7 @@ if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] in ("engine", "tensors"):
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         payload = json.loads(Path(sys.argv[2]).read_text())
-        out = engine_job(payload) if sys.argv[1] == "engine" else tensors_job(payload)
+        out = engine_job(payload, Path(sys.argv[3])) if sys.argv[1] == "engine" else tensors_job(payload)
         Path(sys.argv[3]).write_text(json.dumps(out))
     else:
         main()
