@@ -83,7 +83,7 @@ def main() -> None:
     spec = {"method": "eagle3", "model": str(drafter.resolve()), "num_speculative_tokens": k}
     t0 = time.perf_counter()
     llm = build_llm(target, cfg["vllm"], seed=cfg["seed"], max_model_len=cfg["max_seq_len"], speculative_config=spec)
-    report, _ = run_eval(
+    report, _, _ = run_eval(
         llm,
         load_tokenizer(target),
         questions,

@@ -7,6 +7,7 @@ rule evaluate_drafter:
     output:
         acceptance=f"results/{RUN}/eval/acceptance.json",
         outputs=f"results/{RUN}/eval/outputs.jsonl",
+        rejects=f"results/{RUN}/eval/rejects.jsonl",
     log:
         f"logs/{RUN}/evaluate_drafter.log",
     benchmark:

@@ -49,6 +49,7 @@ use rule evaluate_drafter as evaluate_drafter_variant with:
     output:
         acceptance=f"results/{RUN}/sweep/{{variant}}/eval/acceptance.json",
         outputs=f"results/{RUN}/sweep/{{variant}}/eval/outputs.jsonl",
+        rejects=f"results/{RUN}/sweep/{{variant}}/eval/rejects.jsonl",
     log:
         f"logs/{RUN}/sweep/{{variant}}/evaluate_drafter.log",
     benchmark:

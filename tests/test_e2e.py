@@ -193,7 +193,8 @@ def test_run_summary_totals_every_reject(run):
     acc = json.loads((res / "eval/acceptance.json").read_text())
     assert s["prompts"]["kept"] == 12 and s["prompts"]["rejects_by_reason"] == p["rejects_by_reason"]
     assert s["generation"]["ok"] + s["generation"]["rejected"] == s["generation"]["prompts"] == 12
-    assert s["rejects"]["total"] == p["rejected"] + s["generation"]["rejected"]
+    assert s["rejects"]["total"] == p["rejected"] + s["generation"]["rejected"] + acc["rejected_prompts"]
+    assert acc["rejected_prompts"] == 0 and (res / "eval/rejects.jsonl").read_text() == ""  # 32 answer tokens fit
     assert s["hidden_states"]["samples"] == s["generation"]["ok"] and s["hidden_states"]["layer_ids"] == [2, 15, 27, 30]
     assert s["evaluation"]["acceptance_length"] == acc["acceptance_length"]
 

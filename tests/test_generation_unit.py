@@ -4,7 +4,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from eagle3_pipeline.evaluation import acceptance_report, decode_throughput, spec_decode_counters, speedup_table, throughput_runs
+from eagle3_pipeline.evaluation import (
+    acceptance_report,
+    decode_throughput,
+    fit_prompts,
+    run_eval,
+    spec_decode_counters,
+    speedup_table,
+    throughput_runs,
+)
 from eagle3_pipeline.generation import render_prompt_ids, split_reasoning
 
 
@@ -157,3 +165,20 @@ def test_throughput_runs_follow_the_speedup_settings():
     assert [(r["concurrency"], r["requests"]) for r in runs] == [(1, 3), (4, 3)]
     assert len(llm.llm_engine.added) == 2 + 3 + 3  # the warm-up's two, then each level's three
     assert throughput_runs(llm, [[1]], cfg | {"speedup": {"concurrency": [], "max_prompts": None}}, "none") == []
+
+
+def test_fit_prompts_counts_each_prompt_without_room_for_the_answer():
+    questions = [{"id": "a"}, {"id": "b"}, {"id": "c"}]
+    prompts = [[1] * 30, [1] * 33, [1] * 34]
+    kept, rejects = fit_prompts(questions, prompts, max_tokens=30, max_seq_len=63)
+    assert kept == [0, 1]  # 33 + 30 = 63 fits exactly; 34 + 30 does not
+    assert [r["id"] for r in rejects] == ["c"] and rejects[0]["reason"] == "prompt_too_long"
+    assert "34 prompt tokens + evaluation.max_tokens 30 > max_seq_len 63" in rejects[0]["detail"]
+
+
+def test_run_eval_refuses_when_no_prompt_fits_before_any_request(tokenizer):
+    from eagle3_pipeline.io import InputError
+
+    cfg = {"max_tokens": 256, "temperature": 0.0, "num_speculative_tokens": 3}
+    with pytest.raises(InputError, match=r"no evaluation prompt fits: \d+ prompt tokens \+ evaluation.max_tokens 256 > max_seq_len 64"):
+        run_eval(None, tokenizer, [{"id": "q1", "turns": ["Name the planets of the solar system."]}], cfg, None, 64)

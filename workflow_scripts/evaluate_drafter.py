@@ -39,10 +39,13 @@ if __name__ == "__main__":
         tokenizer = load_tokenizer(sm.input.target, sm.params.trust_remote_code)
         eval_cfg = sm.params.evaluation | {"num_speculative_tokens": k}
         run = Timer()
-        report, rows = run_eval(llm, tokenizer, questions, eval_cfg, sm.params.generation["chat_template_kwargs"])
+        report, rows, rejects = run_eval(
+            llm, tokenizer, questions, eval_cfg, sm.params.generation["chat_template_kwargs"], sm.params.max_seq_len
+        )
         eval_s = run.seconds
         # what the drafter buys: the same prompts decoded with it, then by the target alone
-        prompts = eval_prompt_ids(tokenizer, questions, sm.params.generation["chat_template_kwargs"])
+        answered = {r["id"] for r in rows}
+        prompts = eval_prompt_ids(tokenizer, [q for q in questions if q["id"] in answered], sm.params.generation["chat_template_kwargs"])
         with_drafter = throughput_runs(llm, prompts, eval_cfg, "with the drafter")
         shutdown_llm(llm)
         pids.clear()
@@ -68,6 +71,7 @@ if __name__ == "__main__":
         "offline_validation": train_summary.get("final_val", {}),
     } | peak_memory()
     write_jsonl_atomic(sm.output.outputs, rows)
+    write_jsonl_atomic(sm.output.rejects, rejects)
     write_json_atomic(sm.output.acceptance, report)
     logging.getLogger("evaluate_drafter").info(
         "acceptance length tau = %.3f (%d drafts)", report["acceptance_length"], report["num_drafts"]

@@ -92,17 +92,61 @@ def eval_prompt_ids(tokenizer, questions: list[dict], chat_template_kwargs: dict
     return [render_prompt_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}], chat_template_kwargs) for q in questions]
 
 
-def run_eval(llm, tokenizer, questions: list[dict], eval_cfg: dict, chat_template_kwargs: dict | None = None) -> tuple[dict, list[dict]]:
-    """Generate answers to the first turn of each question and read τ from vLLM.
+def fit_prompts(questions: list[dict], prompts: list[list[int]], max_tokens: int, max_seq_len: int) -> tuple[list[int], list[dict]]:
+    """Which evaluation prompts leave room for ``max_tokens`` answer tokens within ``max_seq_len``.
+
+    vLLM refuses a request whose prompt and ``max_tokens`` exceed the engine's context
+    ("This model's maximum context length is ..."); such prompts are counted rejects instead.
 
     Returns:
-        ``(report, outputs)``: the acceptance report, and per question
-        ``{"id", "num_prompt_tokens", "num_output_tokens", "text"}``.
+        ``(kept, rejects)``: indices of the prompts that fit, and one reject record
+        (``source``, ``reason`` ``prompt_too_long``, ``detail`` naming both keys, ``id``) per other.
+    """
+    kept, rejects = [], []
+    for i, (q, p) in enumerate(zip(questions, prompts, strict=True)):
+        if len(p) + max_tokens <= max_seq_len:
+            kept.append(i)
+            continue
+        rejects.append(
+            {
+                "source": "evaluation",
+                "reason": "prompt_too_long",
+                "detail": f"{len(p)} prompt tokens + evaluation.max_tokens {max_tokens} > max_seq_len {max_seq_len}; "
+                "raise max_seq_len or lower evaluation.max_tokens",
+                "id": q["id"],
+            }
+        )
+    return kept, rejects
+
+
+def run_eval(
+    llm, tokenizer, questions: list[dict], eval_cfg: dict, chat_template_kwargs: dict | None = None, max_seq_len: int | None = None
+) -> tuple[dict, list[dict], list[dict]]:
+    """Generate answers to the first turn of each question and read τ from vLLM.
+
+    A prompt that leaves no room for ``eval_cfg["max_tokens"]`` within ``max_seq_len`` is a
+    counted reject (:func:`fit_prompts`), not sent.
+
+    Returns:
+        ``(report, outputs, rejects)``: the acceptance report (``num_prompts`` answered,
+        ``rejected_prompts``), per answered question ``{"id", "num_prompt_tokens",
+        "num_output_tokens", "text"}``, and the reject records.
+
+    Raises:
+        InputError: no prompt fits (names the keys to change).
     """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from .io import InputError
+
     prompts = eval_prompt_ids(tokenizer, questions, chat_template_kwargs)
+    kept, rejects = fit_prompts(questions, prompts, eval_cfg["max_tokens"], max_seq_len) if max_seq_len else (list(range(len(prompts))), [])
+    if rejects:
+        logger.warning("%d of %d evaluation prompts are too long and not evaluated: %s", len(rejects), len(prompts), rejects[0]["detail"])
+    if not kept:
+        raise InputError(f"no evaluation prompt fits: {rejects[0]['detail']} (all {len(rejects)} prompts)")
+    questions, prompts = [questions[i] for i in kept], [prompts[i] for i in kept]
     params = SamplingParams(temperature=eval_cfg["temperature"], max_tokens=eval_cfg["max_tokens"])
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     report = acceptance_report(spec_decode_counters(llm.get_metrics()), eval_cfg["num_speculative_tokens"])
@@ -111,8 +155,9 @@ def run_eval(llm, tokenizer, questions: list[dict], eval_cfg: dict, chat_templat
         for q, p, o in zip(questions, prompts, outs, strict=True)
     ]
     report["num_prompts"] = len(questions)
+    report["rejected_prompts"] = len(rejects)
     report["output_tokens"] = sum(r["num_output_tokens"] for r in rows)
-    return report, rows
+    return report, rows, rejects
 
 
 def decode_throughput(llm, prompts: list[list[int]], max_tokens: int, concurrency: int, temperature: float = 0.0) -> dict:

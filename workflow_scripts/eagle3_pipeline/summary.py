@@ -56,11 +56,17 @@ def summarize(prompts: str, traces: list[str], coverage: str, hidden_indexes: li
         },
         "training": {k: tr.get(k) for k in ("steps", "tokens_seen", "tokens_per_second", "final_val")},
         "evaluation": {k: acc[k] for k in ("acceptance_length", "per_position_acceptance_rate", "num_prompts", "num_drafts")}
+        | {"rejected_prompts": acc.get("rejected_prompts", 0)}
         | {
             "speedup": [
                 {k: r[k] for k in ("concurrency", "with_drafter_tokens_per_second", "without_drafter_tokens_per_second", "speedup")}
                 for r in acc.get("speedup") or []
             ]
         },
-        "rejects": {"prompts": p["rejected"], "generation": generation["rejected"], "total": p["rejected"] + generation["rejected"]},
+        "rejects": {
+            "prompts": p["rejected"],
+            "generation": generation["rejected"],
+            "evaluation": acc.get("rejected_prompts", 0),
+            "total": p["rejected"] + generation["rejected"] + acc.get("rejected_prompts", 0),
+        },
     }
