@@ -230,3 +230,45 @@ def test_builtin_sources_install_offline():
     ps = build_prompt_set([{"type": "builtin_sharegpt"}], max_prompts=5)
     assert ps.read > 17000  # ~17.6K complete conversations recovered from the truncated file
     assert len(ps.records) == 5 and all(r["source"].startswith("sharegpt:") for r in ps.records)
+
+
+def test_every_jsonl_line_is_counted_and_each_bad_one_says_where_and_why(tmp_path):
+    p = tmp_path / "p.jsonl"
+    lines = [
+        json.dumps({"messages": [{"role": "user", "content": "What is a monad?"}]}),
+        "",  # blank: counted, not a record
+        '{"messages": [{"role": "user", "content": "cut off here',  # unterminated
+        json.dumps({"messages": [{"role": "wizard", "content": "x"}]}),
+        json.dumps(["a", "b"]),  # a JSON list of strings, not turns
+        json.dumps(7),
+        json.dumps({"conversations": [{"from": "gpt", "value": "orphan"}, {"from": "human", "value": "Why is the sky blue?"}]}),
+        "   ",
+    ]
+    p.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    ps = build_prompt_set([{"type": "file", "path": str(p)}])
+    s = ps.summary()
+    assert s["read"] == 6 and s["blank_lines"] == 2 and s["kept"] == 2 and s["rejected"] == 4
+    assert s["read"] + s["blank_lines"] == len(lines)
+    assert s["dropped_turns"] == {"leading_assistant": 1}
+    by_line = {r.source.rsplit(":", 1)[1]: r for r in ps.rejects}
+    cut = by_line["3"]
+    assert cut.reason == "bad_json"
+    col = lines[2].index('"cut') + 1  # the string that never ends
+    assert cut.detail.startswith(f"invalid JSON: Unterminated string starting at column {col} (the line ends inside the record")
+    assert "control character" not in cut.detail
+    role = by_line["4"]
+    assert role.reason == "unknown_role" and "turn 0 has role 'wizard'" in role.detail and "known roles" in role.detail
+    assert (
+        by_line["5"].reason == "bad_format"
+        and "the record is a JSON list whose item 0 is a string, not a turn object" in by_line["5"].detail
+    )
+    assert by_line["6"].reason == "bad_format" and "the record is a JSON number" in by_line["6"].detail
+
+
+def test_read_jsonl_names_file_line_and_column(tmp_path):
+    from eagle3_pipeline.io import read_jsonl
+
+    p = tmp_path / "q.jsonl"
+    p.write_text('{"id": 1}\n{"id": 2, "x": "no end\n')
+    with pytest.raises(InputError, match=rf"{p}:2: invalid JSON: Unterminated string starting at column 16 .*cut off"):
+        list(read_jsonl(p))

@@ -114,6 +114,13 @@ def save_npy_atomic(path: str | os.PathLike, array) -> None:
         np.save(f, array)
 
 
+def json_error_detail(e: json.JSONDecodeError) -> str:
+    """A JSON line's parse error in words: the cause and its column, and whether the line ends inside the record."""
+    cut = e.msg.startswith("Unterminated") or e.pos >= len(e.doc.rstrip())
+    where = e.msg if e.msg.endswith(" at") else f"{e.msg} at"
+    return f"invalid JSON: {where} column {e.colno}" + (" (the line ends inside the record: was it cut off?)" if cut else "")
+
+
 def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
     """Yield ``(line number, object)`` for each non-blank line of a JSONL file.
 
@@ -128,9 +135,9 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{lineno}: invalid JSON ({e.msg}); fix or remove this line") from e
+                raise InputError(f"{path}:{lineno}: {json_error_detail(e)}; fix or remove this line") from e
             if not isinstance(obj, dict):
                 raise InputError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
             yield lineno, obj

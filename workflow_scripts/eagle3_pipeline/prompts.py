@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .io import InputError, iter_jsonl, package_file, sha256_json
+from .io import InputError, iter_jsonl, json_error_detail, package_file, sha256_json
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +74,15 @@ class PromptSet:
     records: list[dict] = field(default_factory=list)
     rejects: list[Reject] = field(default_factory=list)
     read: int = 0
+    blank_lines: int = 0
+    #: turns dropped from kept records, by kind (``leading_assistant``: an answer before any question)
+    dropped_turns: Counter = field(default_factory=Counter)
 
     def summary(self) -> dict:
         return {
             "read": self.read,
+            "blank_lines": self.blank_lines,
+            "dropped_turns": dict(sorted(self.dropped_turns.items())),
             "kept": len(self.records),
             "rejected": len(self.rejects),
             "rejects_by_reason": dict(sorted(Counter(r.reason for r in self.rejects).items())),
@@ -166,8 +171,12 @@ def _resync(text: str, dec: json.JSONDecoder, pos: int) -> int | None:
     return None
 
 
+#: What :func:`_iter_jsonl_records` yields for a blank line (counted, not read as a record).
+BLANK = object()
+
+
 def _iter_jsonl_records(path: Path) -> Iterator[tuple[int, object]]:
-    """``(line number, object | RecordError)`` per non-blank line; bad lines become errors."""
+    """``(line number, object | RecordError | BLANK)`` per line; bad lines become errors."""
     with open(path, "rb") as f:
         for lineno, bline in enumerate(f, start=1):
             try:
@@ -176,11 +185,12 @@ def _iter_jsonl_records(path: Path) -> Iterator[tuple[int, object]]:
                 yield lineno, RecordError("bad_encoding", f"invalid UTF-8 at byte {e.start} of the line; re-encode it as UTF-8")
                 continue
             if not line.strip():
+                yield lineno, BLANK
                 continue
             try:
-                yield lineno, json.loads(line)
+                yield lineno, json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as e:
-                yield lineno, RecordError("bad_json", f"invalid JSON: {e.msg}; fix or remove the line")
+                yield lineno, RecordError("bad_json", f"{json_error_detail(e)}; fix or remove the line")
 
 
 def _load_source_records(source: dict) -> Iterator[tuple[str, object]]:
@@ -236,7 +246,12 @@ def sources_digest(sources: list[dict]) -> str:
 # --------------------------------------------------------------------------- canonical form
 
 
-def canonical_messages(raw: object, turns: str = "first") -> list[dict]:
+def _json_type(x: object) -> str:
+    """The JSON name of a decoded value's type (object, list, string, number, ...)."""
+    return {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(type(x), "number")
+
+
+def canonical_messages(raw: object, turns: str = "first", dropped: Counter | None = None) -> list[dict]:
     """Convert a ShareGPT or OpenAI conversation to canonical messages.
 
     Accepted forms: ``{"conversations": [{"from", "value"}...]}`` (ShareGPT),
@@ -249,6 +264,8 @@ def canonical_messages(raw: object, turns: str = "first") -> list[dict]:
             ``"multi"``: the conversation up to and including its last user turn
             (earlier assistant turns stay as history; a trailing assistant turn,
             the answer to be regenerated, is dropped).
+        dropped: counts turns dropped from the kept messages (``leading_assistant``: an
+            assistant turn before the first user turn, an answer without its question).
 
     Returns:
         messages ending with a user turn.
@@ -267,19 +284,21 @@ def canonical_messages(raw: object, turns: str = "first") -> list[dict]:
             turns_raw = raw["messages"]
         else:
             raise ValueError("bad_format: record has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI)")
+    expected = 'expected {"messages": [{"role", "content"}...]} (OpenAI), {"conversations": [{"from", "value"}...]} (ShareGPT) or a list of such turns'
     if not isinstance(turns_raw, list):
-        raise ValueError("bad_format: conversation is not a list of turns")
+        raise ValueError(f"bad_format: the record is a JSON {_json_type(turns_raw)}; {expected}")
     messages = []
-    for t in turns_raw:
+    for i, t in enumerate(turns_raw):
         if not isinstance(t, dict):
-            raise ValueError("bad_format: a turn is not an object")
+            what = "the record is a JSON list" if turns_raw is raw else "the conversation is a list"
+            raise ValueError(f"bad_format: {what} whose item {i} is a {_json_type(t)}, not a turn object; {expected}")
         role = t.get("role", t.get("from"))
         content = t.get("content", t.get("value"))
         canon = ROLE_ALIASES.get(str(role).lower()) if role is not None else None
         if canon is None:
-            raise ValueError(f"unknown_role: {role!r}")
+            raise ValueError(f"unknown_role: turn {i} has role {role!r}; known roles ('role' or 'from'): {', '.join(sorted(ROLE_ALIASES))}")
         if not isinstance(content, str):
-            raise ValueError("bad_format: turn content is not a string")
+            raise ValueError(f"bad_format: turn {i} content is a {_json_type(content)}, not a string")
         messages.append({"role": canon, "content": content})
 
     if turns == "first":
@@ -298,13 +317,15 @@ def canonical_messages(raw: object, turns: str = "first") -> list[dict]:
         raise ValueError("no_user_turn: conversation has no user turn")
     while messages and messages[0]["role"] == "assistant":  # an answer without its question
         messages = messages[1:]
+        if dropped is not None:
+            dropped["leading_assistant"] += 1
     for m in messages:
         if not m["content"].strip():
             raise ValueError(f"empty_content: empty or whitespace-only {m['role']} turn")
     return messages
 
 
-def conversation_prompts(raw: object, turns: str = "first") -> list[tuple[str, list[dict]]]:
+def conversation_prompts(raw: object, turns: str = "first", dropped: Counter | None = None) -> list[tuple[str, list[dict]]]:
     """The prompts one source conversation gives: ``[(suffix, messages), ...]``.
 
     ``"first"`` and ``"multi"`` give one prompt (:func:`canonical_messages`, suffix ``""``).
@@ -316,8 +337,8 @@ def conversation_prompts(raw: object, turns: str = "first") -> list[tuple[str, l
         ValueError: as :func:`canonical_messages` (one reason for the whole conversation).
     """
     if turns != "each":
-        return [("", canonical_messages(raw, turns))]
-    messages = canonical_messages(raw, "multi")
+        return [("", canonical_messages(raw, turns, dropped))]
+    messages = canonical_messages(raw, "multi", dropped)
     users = [i for i, m in enumerate(messages) if m["role"] == "user"]
     return [(f"#turn{n}", messages[: i + 1]) for n, i in enumerate(users, start=1)]
 
@@ -439,13 +460,18 @@ def build_prompt_set(
     kept: list[dict] = []
     for source in sources:
         for label, raw in _load_source_records(source):
+            if raw is BLANK:
+                ps.blank_lines += 1
+                continue
             ps.read += 1
+            dropped: Counter = Counter()
             try:
-                prompts = conversation_prompts(raw, turns)
+                prompts = conversation_prompts(raw, turns, dropped)
             except ValueError as e:
                 reason, _, detail = str(e).partition(": ")
                 ps.rejects.append(Reject(label, reason, detail))
                 continue
+            ps.dropped_turns.update(dropped)
             for suffix, messages in prompts:
                 where = label + suffix
                 pid = prompt_id(messages)

@@ -44,7 +44,8 @@ def summarize(prompts: str, traces: list[str], coverage: str, hidden_indexes: li
     tr = read_json(train)
     acc = read_json(acceptance)
     return {
-        "prompts": {k: p[k] for k in ("read", "kept", "rejected", "rejects_by_reason")},
+        "prompts": {k: p[k] for k in ("read", "kept", "rejected", "rejects_by_reason")}
+        | {"blank_lines": p.get("blank_lines", 0), "dropped_turns": p.get("dropped_turns", {})},
         "generation": generation,
         "vocab": {k: cov[k] for k in ("draft_vocab_size", "target_vocab_size", "coverage", "distinct_supervised_tokens")},
         "hidden_states": {
