@@ -8,13 +8,17 @@ sys.path.insert(0, str(Path(workflow.basedir) / "workflow_scripts"))
 
 from snakemake.exceptions import WorkflowError
 
-from eagle3_pipeline.config import ConfigError, check_against_target, validate_config
+from eagle3_pipeline.config import (
+    ConfigError,
+    check_against_target,
+    result_settings,
+    validate_config,
+)
 from eagle3_pipeline.io import InputError
 from eagle3_pipeline.parallel import replica_gpus
 from eagle3_pipeline.prompts import sources_digest
 from eagle3_pipeline.sweep import (
     changes,
-    result_settings,
     shares_drafter,
     shares_vocab,
     variant_configs,
@@ -68,12 +72,13 @@ EXTRACTION_GPUS = (
 )
 EVALUATION_GPUS = _OVERRIDE_GPUS if _OVERRIDE_GPUS is not None else _ENGINE_GPUS
 TRAIN_PROCESSES = max(1, config["resources"]["train_gpus"])
-# Params without the data-parallel sizes: how many replicas share a job's chunks does not
-# change what the job writes, so changing it must not rerun the job (the scripts read the
-# sizes from the config). Tensor/pipeline parallel sizes stay params: they change numerics.
-_DP_KEYS = ("data_parallel_size", "gpus_per_replica", "replicas_per_gpu")
-VLLM_PARAMS = {k: v for k, v in _V.items() if k not in _DP_KEYS}
-EXTRACTION_PARAMS = {k: v for k, v in _X.items() if k not in _DP_KEYS}
+# Params are the result settings alone (config/schema.yaml marks the others x-result: false:
+# data-parallel sizes, replicas per GPU, chunk sizes, loader workers): changing those reruns
+# nothing, and the scripts read them from the config. Tensor/pipeline parallel sizes are
+# params: they change numerics.
+VLLM_PARAMS = result_settings(config, "vllm")
+GENERATION_PARAMS = result_settings(config, "generation")
+EXTRACTION_PARAMS = result_settings(config, "extraction")
 if _X["backend"] == "vllm":
     # a vLLM replica is one engine: its GPUs are the engine's tensor x pipeline parallel size
     if _X["gpus_per_replica"] != _ENGINE_GPUS:

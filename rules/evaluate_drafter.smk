@@ -23,7 +23,7 @@ rule evaluate_drafter:
         trust_remote_code=config["target"]["trust_remote_code"],
         evaluation=config["evaluation"],
         num_speculative_tokens=get_num_speculative_tokens(),
-        generation=config["generation"],
+        generation=GENERATION_PARAMS,
         vllm=eval_vllm_params(),
         seed=config["seed"],
         max_seq_len=config["max_seq_len"],

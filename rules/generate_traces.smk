@@ -19,7 +19,7 @@ rule generate_traces:
     params:
         trust_remote_code=config["target"]["trust_remote_code"],
         target_identity=get_target_identity(),
-        generation=config["generation"],
+        generation=GENERATION_PARAMS,
         vllm=VLLM_PARAMS,
         seed=config["seed"],
         max_seq_len=config["max_seq_len"],

@@ -59,7 +59,7 @@ use rule evaluate_drafter as evaluate_drafter_variant with:
         trust_remote_code=config["target"]["trust_remote_code"],
         evaluation=lambda w: VARIANTS[w.variant]["evaluation"],
         num_speculative_tokens=lambda w: get_num_speculative_tokens(VARIANTS[w.variant]),
-        generation=config["generation"],
+        generation=GENERATION_PARAMS,
         vllm=lambda w: eval_vllm_params(VARIANTS[w.variant]),
         seed=config["seed"],
         max_seq_len=config["max_seq_len"],

@@ -98,3 +98,22 @@ def test_replicas_per_gpu_needs_one_gpu_engines():
         ConfigError, match=r"vllm.replicas_per_gpu 2 shares a GPU .* tensor_parallel_size x pipeline_parallel_size = 2 GPUs"
     ):
         validate_config({"vllm": {"replicas_per_gpu": 2, "tensor_parallel_size": 2}})
+
+
+def test_result_and_runtime_settings_split_each_section_by_the_schema_marker():
+    from eagle3_pipeline.config import load_schema, result_settings, runtime_keys, runtime_settings
+
+    cfg = validate_config({})
+    schema = load_schema()
+    for section, spec in schema["properties"].items():
+        if not isinstance(cfg.get(section), dict):
+            continue
+        marked = {k for k, v in spec.get("properties", {}).items() if v.get("x-result") is False}
+        assert set(runtime_keys(section)) == marked
+        res, run = result_settings(cfg, section), runtime_settings(cfg, section)
+        assert set(res) | set(run) == set(cfg[section]) and not set(res) & set(run)
+    # what changes no output is never a rule param: chunk sizes, replica layout, loader processes
+    assert "chunk_prompts" not in result_settings(cfg, "generation") and "chunk_samples" in runtime_settings(cfg, "extraction")
+    assert {"data_parallel_size", "replicas_per_gpu"} <= set(runtime_settings(cfg, "vllm"))
+    assert "tensor_parallel_size" in result_settings(cfg, "vllm")  # changes numerics: a param
+    assert "loader_workers" in runtime_settings(cfg, "training") and "lr" in result_settings(cfg, "training")

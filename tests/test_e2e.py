@@ -360,9 +360,20 @@ def test_dry_run_is_clean_and_changes_rerun_exactly_the_dependents(run):
     downstream_of_traces = {"build_vocab_mapping": 1, "extract_hidden_states": 2, **from_training}
     # the host-wide lock (off on a cluster) is read from the config, not a rule param: nothing reruns
     assert dry_run_jobs(wd, _changed(wd, "nolock", resources={"host_lock": False})) == Counter()
-    # so are the data-parallel sizes: how many replicas share a job's chunks
-    dp = {"vllm": {**SMALL["vllm"], "data_parallel_size": 2}, "extraction": {**SMALL["extraction"], "gpus_per_replica": 2}}
-    assert dry_run_jobs(wd, _changed(wd, "dp", **dp)) == Counter()
+    # so is every setting the schema marks x-result: false (data-parallel sizes, replicas per GPU,
+    # chunk sizes, loader workers, checkpoint interval): each changed at once, nothing reruns
+    from eagle3_pipeline.config import runtime_keys
+
+    runtime = {
+        "generation": {"chunk_prompts": 3},
+        "vllm": {"data_parallel_size": 2, "replicas_per_gpu": 2},
+        "extraction": {"chunk_samples": 2, "disk_preflight": False, "data_parallel_size": 2, "gpus_per_replica": 2},
+        "training": {"loader_workers": 1, "checkpoint_every_steps": 7},
+    }
+    assert {s: set(v) for s, v in runtime.items()} == {s: set(runtime_keys(s)) for s in runtime}, "a runtime key is not exercised here"
+    assert all(not runtime_keys(s) for s in ("run", "target", "prompts", "vocab", "evaluation", "resources", "sweep") if s not in runtime)
+    changed = {s: {**SMALL.get(s, {}), **v} for s, v in runtime.items()}
+    assert dry_run_jobs(wd, _changed(wd, "runtime", **changed)) == Counter()
     # draft vocab size: vocab, training, evaluation; traces and hidden states are kept
     assert dry_run_jobs(wd, _changed(wd, "vocab", vocab={"draft_vocab_size": 1024})) == Counter({"build_vocab_mapping": 1, **from_training})
     # layer ids: extraction and everything after it, not generation or vocab

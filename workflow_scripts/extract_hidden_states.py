@@ -4,6 +4,7 @@ import logging
 
 import torch
 
+from eagle3_pipeline.config import runtime_settings
 from eagle3_pipeline.hidden_states import run_extraction_shard
 from eagle3_pipeline.runtime import peak_rss_bytes, start_log
 
@@ -16,10 +17,11 @@ if __name__ == "__main__":
         sm.output.shard,
         sm.output.index,
         sm.input.target,
-        # replicas and GPUs per replica come from the config: not params, so changing them reruns nothing
+        # runtime settings (replicas, GPUs per replica, chunk size, disk preflight) come from the
+        # config, not params: changing them reruns nothing (config/schema.yaml: x-result: false)
         {
             **sm.params.extraction,
-            **{k: sm.config["extraction"][k] for k in ("data_parallel_size", "gpus_per_replica")},
+            **runtime_settings(sm.config, "extraction"),
             "replicas_per_gpu": sm.config["vllm"]["replicas_per_gpu"],
         },
         max_seq_len=sm.params.max_seq_len,

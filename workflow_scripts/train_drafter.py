@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3_pipeline.config import runtime_settings
 from eagle3_pipeline.hygiene import host_lock
 from eagle3_pipeline.io import write_json_atomic
 from eagle3_pipeline.runtime import peak_memory, start_log
@@ -25,8 +26,8 @@ if __name__ == "__main__":
                 "target_path": str(Path(sm.input.target).resolve()),
                 "out_dir": sm.output.drafter,
                 "metrics_path": sm.output.metrics,
-                # loader_workers is config, not a param: no rerun when it changes
-                "cfg": sm.params.training | {"loader_workers": sm.config["training"]["loader_workers"]},
+                # runtime settings (loader workers, checkpoint interval) are config, not params: no rerun
+                "cfg": sm.params.training | runtime_settings(sm.config, "training"),
                 "seed": sm.params.seed,
                 "max_seq_len": sm.params.max_seq_len,
                 "trust_remote_code": sm.params.trust_remote_code,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 from pathlib import Path
 
@@ -96,6 +97,25 @@ def coerce_cli_strings(cfg: dict, schema: dict) -> None:
             py = {"integer": int, "number": (int, float), "boolean": bool, "null": type(None), "array": list, "object": dict}
             if any(isinstance(parsed, py[t]) and not (t in ("integer", "number") and isinstance(parsed, bool)) for t in types if t in py):
                 cfg[key] = parsed
+
+
+@functools.cache
+def runtime_keys(section: str) -> frozenset[str]:
+    """The keys of a config section marked ``x-result: false`` in config/schema.yaml: settings
+    that change how work is split, resumed or spread over processes, never what a job writes."""
+    props = load_schema()["properties"][section].get("properties", {})
+    return frozenset(k for k, v in props.items() if v.get("x-result") is False)
+
+
+def result_settings(cfg: dict, section: str) -> dict:
+    """``cfg[section]`` without its runtime settings (:func:`runtime_keys`): a rule's params, a
+    resume fingerprint or a sweep's comparison, so that changing those settings reruns nothing."""
+    return {k: v for k, v in cfg[section].items() if k not in runtime_keys(section)}
+
+
+def runtime_settings(cfg: dict, section: str) -> dict:
+    """``cfg[section]``'s runtime settings (:func:`runtime_keys`), which scripts read from the config."""
+    return {k: v for k, v in cfg[section].items() if k in runtime_keys(section)}
 
 
 def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) -> dict:

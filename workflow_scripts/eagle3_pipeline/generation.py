@@ -479,6 +479,7 @@ def run_generation_shard(
     """
     import functools
 
+    from .config import result_settings
     from .hygiene import check_gpus_free, cleanup_stale_processes, host_lock
     from .io import read_jsonl, sha256_file, sha256_json, write_json_atomic, write_jsonl_atomic
     from .parallel import replica_stats, run_replicas
@@ -488,9 +489,9 @@ def run_generation_shard(
 
     records = sorted(read_jsonl(prompts_path), key=lambda r: r["id"])
     model = {"path": target, "fingerprint": model_fingerprint(target)}
-    # the data-parallel layout does not change the traces: a resume may use another one.
-    layout = ("data_parallel_size", "replicas_per_gpu")
-    fp_params = {**params, "vllm": {k: v for k, v in params["vllm"].items() if k not in layout}}
+    # runtime settings (data-parallel layout, ...) do not change the traces: a resume may use
+    # others; the chunk size is the fingerprint's own (it defines the chunks)
+    fp_params = {**params} | {sec: result_settings(params, sec) for sec in ("generation", "vllm")}
     fingerprint = sha256_json({"prompts": sha256_file(prompts_path), "model": model, "params": fp_params, "chunk": chunk_prompts})
     with host_lock(enabled=host_lock_enabled):
         # Chunks are counted only once the lock is ours: the job of an earlier snakemake that

@@ -17,15 +17,13 @@ from __future__ import annotations
 import copy
 import re
 
-from .config import ConfigError, validate_config
+from .config import ConfigError, result_settings, runtime_keys, validate_config
 
 #: A variant's name: a folder name under results/<run>/sweep/ (not ".", "..", hidden or a path).
 NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 #: Sections a variant may change, and the keys of those that every variant shares.
 VARIANT_SECTIONS = ("vocab", "training", "evaluation")
 SHARED_KEYS = {("evaluation", "prompts"), ("evaluation", "max_prompts")}
-#: Settings that do not change what a job writes (left out of the sharing decision).
-NOT_RESULT_KEYS = {("training", "loader_workers")}
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -75,13 +73,6 @@ def variant_configs(cfg: dict) -> dict[str, dict]:
     return out
 
 
-def result_settings(cfg: dict, section: str) -> dict:
-    """A config section without the settings that do not change what a job writes
-    (:data:`NOT_RESULT_KEYS`: training.loader_workers changes when batches are read, not which);
-    the training rules' params are this, so changing those settings reruns nothing."""
-    return {k: v for k, v in cfg[section].items() if (section, k) not in NOT_RESULT_KEYS}
-
-
 def shares_vocab(run_cfg: dict, variant_cfg: dict) -> bool:
     """Whether a variant's draft vocab (d2t/t2d) is the run's own: same vocab settings and warm start."""
     return run_cfg["vocab"] == variant_cfg["vocab"] and run_cfg["training"]["init_from"] == variant_cfg["training"]["init_from"]
@@ -95,10 +86,7 @@ def shares_drafter(run_cfg: dict, variant_cfg: dict) -> bool:
 def changes(run_cfg: dict, variant_cfg: dict) -> dict[str, object]:
     """``{"section.key": value}`` of every setting in which the variant differs from the run."""
     return {
-        f"{s}.{k}": v
-        for s in VARIANT_SECTIONS
-        for k, v in variant_cfg[s].items()
-        if run_cfg[s].get(k) != v and (s, k) not in NOT_RESULT_KEYS
+        f"{s}.{k}": v for s in VARIANT_SECTIONS for k, v in variant_cfg[s].items() if run_cfg[s].get(k) != v and k not in runtime_keys(s)
     }
 
 
