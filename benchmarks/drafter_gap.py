@@ -15,7 +15,8 @@ several ways, each row τ and acceptance per draft position at ``k``:
 * ``vllm/eval``: the evaluation prompts with the evaluation's settings, then one engine
   setting changed at a time against an eager engine (``vllm/eager``: no CUDA graphs): k = 1,
   prefix caching flipped, batch invariance (``VLLM_BATCH_INVARIANT=1``), model runner V1 and
-  V2 (``VLLM_USE_V2_MODEL_RUNNER``, GPU); and the evaluation's engine one request at a time.
+  V2 (``VLLM_USE_V2_MODEL_RUNNER``, GPU); and the evaluation's engine settings one request at
+  a time (``vllm/one-at-a-time``).
 * ``tensors``: for one request in an eager in-process engine, the aux hidden states vLLM hands
   the drafter and the drafter's logits at each draft step, against the ``hf`` backend's
   states for the same tokens and speculators' forward of the same checkpoint on them.
@@ -495,11 +496,11 @@ def main() -> None:
             k,
             [
                 ("eval", ep, eval_len, False),
-                ("validation", vp, gen_len, False),
                 ("validation-short", vp, eval_len, False),
-                ("eval-one-at-a-time", ep, eval_len, True),
+                ("validation", vp, gen_len, False),
             ],
         ),
+        ("vllm/one-at-a-time", {}, {}, k, [("eval", ep, eval_len, True)]),
         ("vllm/eager", {}, eager, k, one),
         ("vllm/k1", {}, eager, 1, [("eval", ep, eval_len, False), ("validation", vp, gen_len, False)]),
         (f"vllm/prefix-cache-{'on' if prefix else 'off'}", {}, eager | {"enable_prefix_caching": prefix}, k, one),
