@@ -20,6 +20,8 @@ import torch
 import yaml
 from e2e_support import SMALL, make_workdir, snakemake_cli
 
+from eagle3_pipeline.report import FIGURES
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.e2e
 
@@ -223,7 +225,7 @@ def test_run_manifest_hashes_every_artifact(run):
     files = {r.as_posix() for r in rels if not any(part.startswith(".") for part in r.parts)}  # not .pids/, .checkpoint/
     listed = {k for k in m["artifacts"] if k != "drafter"} | {f"drafter/{f}" for f in m["artifacts"]["drafter"]["files"]}
     assert files - {"manifest.json", "plan.json"} == listed
-    assert len([k for k in listed if k.startswith("plots/")]) == 9
+    assert len([k for k in listed if k.startswith("plots/")]) == len(FIGURES) == 10
     for rel, node in m["artifacts"].items():
         if node["kind"] == "directory":
             assert node["files"] == {f: {"bytes": (res / rel / f).stat().st_size, "sha256": sha256(res / rel / f)} for f in node["files"]}
@@ -347,8 +349,9 @@ def test_full_model_jobs_never_overlap(run):
 
 
 def _changed(wd: Path, name: str, **section) -> Path:
+    """The run's own config file (the reduced config as the fixture ran it) with ``section`` replaced."""
     p = wd / f"{name}.yaml"
-    p.write_text(yaml.safe_dump({**SMALL, **section}))
+    p.write_text(yaml.safe_dump({**yaml.safe_load((wd / "small.yaml").read_text()), **section}))
     return p
 
 
