@@ -396,9 +396,7 @@ def test_snakemake_plan_writes_the_plan_without_running_anything(tmp_path):
 
 @pytest.mark.e2e
 def test_plan_after_a_finished_run_foresees_what_a_changed_parameter_reruns(e2e_run):
-    from e2e_support import SMALL
-
-    wd, _cfg, res = e2e_run
+    wd, cfg, res = e2e_run
     # the run kept the plan it started with (onstart, from Snakemake's DAG), and its summary compares it
     starts = start_plans(res)
     assert len(starts) == 1
@@ -412,7 +410,7 @@ def test_plan_after_a_finished_run_foresees_what_a_changed_parameter_reruns(e2e_
     assert all(r["actual_seconds"] > 0 for r in summary["estimate_vs_actual"])
     # every output exists, but a new draft vocabulary size reruns the vocabulary and all after it
     changed = wd / "plan-vocab.yaml"
-    changed.write_text(yaml.safe_dump({**SMALL, "vocab": {"draft_vocab_size": 1024}}))
+    changed.write_text(yaml.safe_dump({**yaml.safe_load(cfg.read_text()), "vocab": {"draft_vocab_size": 1024}}))
     r = snakemake_cli(wd, changed, "--cores", "1", targets=("plan",), cwd=ROOT)
     assert r.returncode == 0, r.stderr + r.stdout
     plan = json.loads((res / "plan.json").read_text())

@@ -130,7 +130,8 @@ def test_a_sweep_on_a_finished_run_trains_and_evaluates_only_the_variants(e2e_ru
     res = wd / "results" / "e2e"
     traces_before = {p: p.stat().st_mtime_ns for p in res.glob("traces/*.jsonl")}
     cfg = wd / "sweep.yaml"
-    cfg.write_text(yaml.safe_dump(SMALL | {"sweep": {"variants": {k: SWEEP[k] for k in ("k1", "ttt1")}}}))
+    own = yaml.safe_load((wd / "small.yaml").read_text())  # the finished run's config, as it ran
+    cfg.write_text(yaml.safe_dump(own | {"sweep": {"variants": {k: SWEEP[k] for k in ("k1", "ttt1")}}}))
     r = snakemake_cli(wd, cfg, "--cores", "4", "--resources", "mem_gb=100")
     assert r.returncode == 0, r.stderr[-4000:]
     ran = set(re.findall(r"^(?:local)?rule (\w+):", r.stderr, flags=re.M))
