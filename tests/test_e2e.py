@@ -176,7 +176,7 @@ def test_acceptance_length_read_from_vllm_counters(run):
     assert acc["engine"]["platform"] == "cpu"
     # what the drafter buys: both engines decoded the 4 prompts at each concurrency, greedy, so
     # (up to a near-tie flipped by another batch composition) the answers of the tau measurement
-    assert [r["concurrency"] for r in acc["speedup"]] == [1, 4]
+    assert [r["concurrency"] for r in acc["speedup"]] == [4]
     for r in acc["speedup"]:
         w, b = r["with_drafter"], r["without_drafter"]
         assert w["requests"] == b["requests"] == 4
