@@ -89,16 +89,14 @@ def validation_traces(run: Path, val_fraction: float, limit: int) -> list[dict]:
 
 def eval_prompt_ids(cfg: dict, run: Path, target: str) -> list[dict]:
     """The evaluation prompts as ``{"id", "prompt_token_ids"}``, rendered as evaluate_drafter renders them."""
-    from eagle3_pipeline.generation import render_prompt_ids
+    from eagle3_pipeline import evaluation
     from eagle3_pipeline.io import read_jsonl
     from eagle3_pipeline.target_model import load_tokenizer
 
+    questions = list(read_jsonl(run / "eval" / "prompts.jsonl"))
     tok = load_tokenizer(target, cfg["target"]["trust_remote_code"])
-    kw = cfg["generation"]["chat_template_kwargs"]
-    return [
-        {"id": q["id"], "prompt_token_ids": render_prompt_ids(tok, [{"role": "user", "content": q["turns"][0]}], kw)}
-        for q in read_jsonl(run / "eval" / "prompts.jsonl")
-    ]
+    ids = evaluation.eval_prompt_ids(tok, questions, cfg["generation"]["chat_template_kwargs"])
+    return [{"id": q["id"], "prompt_token_ids": p} for q, p in zip(questions, ids, strict=True)]
 
 
 # --- one vLLM engine, in a process of its own ---------------------------------------------------
@@ -182,7 +180,6 @@ def tensors_job(job: dict) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and worker in this process
     import numpy as np
     import torch
-    from speculators.models.eagle3 import Eagle3SpeculatorConfig
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.model_executor.models import llama_eagle3
@@ -190,7 +187,7 @@ def tensors_job(job: dict) -> dict:
     from eagle3_pipeline.conventions import loss_mask
     from eagle3_pipeline.engine import build_llm, shutdown_llm
     from eagle3_pipeline.hidden_states import Sample, extract_hf, load_hf_target
-    from eagle3_pipeline.training import _checkpoint_vocab, build_drafter, resolve_device, training_dtypes
+    from eagle3_pipeline.training import load_drafter, resolve_device, training_dtypes
 
     events: list[tuple[str, dict]] = []
     cls = llama_eagle3.Eagle3LlamaForCausalLM
@@ -248,7 +245,9 @@ def tensors_job(job: dict) -> dict:
 
     # offline: hf states of the final sequence and speculators' forward (step logits via a hook on lm_head)
     device = resolve_device(job["training"]["device"])
-    aux = list(Eagle3SpeculatorConfig.from_pretrained(job["drafter"]).eagle_aux_hidden_state_layer_ids)
+    drafter = load_drafter(job["drafter"], job["target"], job["training"], device)
+    aux = list(drafter.config.eagle_aux_hidden_state_layer_ids)
+    d2t = drafter.d2t.cpu().numpy()
     n_layers = job["num_hidden_layers"]
     model = load_hf_target(job["target"], device=device)
     states = extract_hf(
@@ -259,8 +258,6 @@ def tensors_job(job: dict) -> dict:
         storage_dtype=torch.float32,
     )[0]
     del model
-    d2t, t2d = _checkpoint_vocab(job["drafter"])
-    drafter = build_drafter(job["target"], d2t, t2d, aux, {**job["training"], "init_from": job["drafter"]}, device)
     step_logits: list[torch.Tensor] = []
     hook = drafter.lm_head.register_forward_hook(lambda _m, _i, o: step_logits.append(o.detach().float().cpu()[0]))
     hs_dtype, autocast = training_dtypes(job["training"], device)

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "workflow_scripts"))
 
 from eagle3_pipeline.config import validate_config  # noqa: E402
 from eagle3_pipeline.engine import build_llm, shutdown_llm  # noqa: E402
-from eagle3_pipeline.evaluation import run_eval  # noqa: E402
+from eagle3_pipeline.evaluation import eval_prompt_ids, run_eval  # noqa: E402
 from eagle3_pipeline.hidden_states import ShardReader  # noqa: E402
 from eagle3_pipeline.io import read_json, read_jsonl  # noqa: E402
 from eagle3_pipeline.target_model import load_tokenizer  # noqa: E402
@@ -85,10 +85,9 @@ def main() -> None:
     llm = build_llm(target, cfg["vllm"], seed=cfg["seed"], max_model_len=cfg["max_seq_len"], speculative_config=spec)
     report, _, _ = run_eval(
         llm,
-        load_tokenizer(target),
         questions,
+        eval_prompt_ids(load_tokenizer(target), questions, cfg["generation"]["chat_template_kwargs"]),
         eval_cfg,
-        cfg["generation"]["chat_template_kwargs"],
     )
     shutdown_llm(llm)
     offline = own.get("offline_validation", {})

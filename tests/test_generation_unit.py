@@ -7,6 +7,7 @@ import pytest
 from eagle3_pipeline.evaluation import (
     acceptance_report,
     decode_throughput,
+    eval_prompt_ids,
     fit_prompts,
     run_eval,
     spec_decode_counters,
@@ -181,4 +182,5 @@ def test_run_eval_refuses_when_no_prompt_fits_before_any_request(tokenizer):
 
     cfg = {"max_tokens": 256, "temperature": 0.0, "num_speculative_tokens": 3}
     with pytest.raises(InputError, match=r"no evaluation prompt fits: \d+ prompt tokens \+ evaluation.max_tokens 256 > max_seq_len 64"):
-        run_eval(None, tokenizer, [{"id": "q1", "turns": ["Name the planets of the solar system."]}], cfg, None, 64)
+        questions = [{"id": "q1", "turns": ["Name the planets of the solar system."]}]
+        run_eval(None, questions, eval_prompt_ids(tokenizer, questions), cfg, 64)

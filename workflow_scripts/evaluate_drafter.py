@@ -37,15 +37,14 @@ if __name__ == "__main__":
         pids.record()
         questions = list(read_jsonl(sm.input.prompts))
         tokenizer = load_tokenizer(sm.input.target, sm.params.trust_remote_code)
+        prompts = eval_prompt_ids(tokenizer, questions, sm.params.generation["chat_template_kwargs"])
         eval_cfg = sm.params.evaluation | {"num_speculative_tokens": k}
         run = Timer()
-        report, rows, rejects = run_eval(
-            llm, tokenizer, questions, eval_cfg, sm.params.generation["chat_template_kwargs"], sm.params.max_seq_len
-        )
+        report, rows, rejects = run_eval(llm, questions, prompts, eval_cfg, sm.params.max_seq_len)
         eval_s = run.seconds
-        # what the drafter buys: the same prompts decoded with it, then by the target alone
+        # what the drafter buys: the answered prompts decoded with it, then by the target alone
         answered = {r["id"] for r in rows}
-        prompts = eval_prompt_ids(tokenizer, [q for q in questions if q["id"] in answered], sm.params.generation["chat_template_kwargs"])
+        prompts = [p for q, p in zip(questions, prompts, strict=True) if q["id"] in answered]
         with_drafter = throughput_runs(llm, prompts, eval_cfg, "with the drafter")
         shutdown_llm(llm)
         pids.clear()

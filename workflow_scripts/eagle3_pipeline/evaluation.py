@@ -120,12 +120,13 @@ def fit_prompts(questions: list[dict], prompts: list[list[int]], max_tokens: int
 
 
 def run_eval(
-    llm, tokenizer, questions: list[dict], eval_cfg: dict, chat_template_kwargs: dict | None = None, max_seq_len: int | None = None
+    llm, questions: list[dict], prompts: list[list[int]], eval_cfg: dict, max_seq_len: int | None = None
 ) -> tuple[dict, list[dict], list[dict]]:
     """Generate answers to the first turn of each question and read τ from vLLM.
 
-    A prompt that leaves no room for ``eval_cfg["max_tokens"]`` within ``max_seq_len`` is a
-    counted reject (:func:`fit_prompts`), not sent.
+    ``prompts`` are the questions' prompt token ids (:func:`eval_prompt_ids`). A prompt that
+    leaves no room for ``eval_cfg["max_tokens"]`` within ``max_seq_len`` is a counted reject
+    (:func:`fit_prompts`), not sent.
 
     Returns:
         ``(report, outputs, rejects)``: the acceptance report (``num_prompts`` answered,
@@ -140,7 +141,6 @@ def run_eval(
 
     from .io import InputError
 
-    prompts = eval_prompt_ids(tokenizer, questions, chat_template_kwargs)
     kept, rejects = fit_prompts(questions, prompts, eval_cfg["max_tokens"], max_seq_len) if max_seq_len else (list(range(len(prompts))), [])
     if rejects:
         logger.warning("%d of %d evaluation prompts are too long and not evaluated: %s", len(rejects), len(prompts), rejects[0]["detail"])

@@ -56,7 +56,7 @@ REFERENCES = {
             "params": 134_515_008,
             "hidden_size": 576,
             "generate_traces": {"tokens_per_second": 409.0, "load_seconds": 31.0},
-            # the hf backend, demo run of 2026-12-01 on an unloaded machine (was 1,300 in session 1)
+            # the hf backend, demo run of 2026-12-01 on an unloaded machine (an earlier, loaded machine gave 1,300)
             "extract_hidden_states": {"tokens_per_second": 920.0, "load_seconds": 3.0},
             # the vllm backend starts a vLLM engine (16-20 s on CPU), the hf backend loads in ~3 s
             "extract_hidden_states_vllm": {
@@ -104,7 +104,7 @@ REFERENCES = {
             "evaluate_drafter": {"tokens_per_second": 7868.0, "load_seconds": 50.0},
         },
         {
-            "source": "1 x H200, SmolLM2-135M, one engine, config/examples/smollm2-h200.yaml of session 5 (benchmarks/results/gpu_dag_h200.json)",
+            "source": "1 x H200, SmolLM2-135M, one engine, config/examples/smollm2-h200.yaml, 2026-12-01 (benchmarks/results/gpu_dag_h200.json)",
             "params": 134_515_008,
             "hidden_size": 576,
             # CUDA graphs on, max_num_seqs 1024, 512-token completions
@@ -113,7 +113,7 @@ REFERENCES = {
             "extract_hidden_states_hf": {
                 "tokens_per_second": 101000.0,
                 "load_seconds": 3.0,
-                "source": "hf backend, SmolLM2-135M on 1 x H200 (9.5x the 8B shape's 10,644 tok/s, session 2)",
+                "source": "hf backend, SmolLM2-135M on 1 x H200 (9.5x the 8B shape's 10,644 tok/s, 2026-11-30)",
             },
             # steady rate; the first steps' compilation (104 s) counted as load
             "train_drafter": {"tokens_per_second": 121577.0, "load_seconds": 104.0},
@@ -143,7 +143,7 @@ COMPLETION_FILL = 0.79
 #: ``first`` 172 (demo run: 50,929 / 296; the H200 run: 2,603,181 / 15,299 = 170), ``multi``
 #: 961 and ``each`` 728: SmolLM2's template over the built-in ShareGPT's 15,075 and 55,180
 #: prompts that leave ``generation.min_completion_tokens`` (16) of ``max_seq_len`` 2,048
-#: (session 8). A multi-turn prompt carries its history: with ``each``, 68% of the tokens
+#: (counted 2026-12-01). A multi-turn prompt carries its history: with ``each``, 68% of the tokens
 #: that extraction stores are prompt tokens.
 PROMPT_TOKENS_BY_TURNS = {"first": 172, "multi": 961, "each": 728}
 PROMPT_TOKENS = PROMPT_TOKENS_BY_TURNS["first"]

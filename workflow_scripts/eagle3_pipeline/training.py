@@ -434,7 +434,6 @@ def evaluate_checkpoint(
         InputError: a sample id is in none of the shards.
     """
     from speculators.losses import resolve_loss_config
-    from speculators.models.eagle3 import Eagle3SpeculatorConfig
 
     device = resolve_device(cfg["device"])
     readers = [ShardReader(p) for p in shards]
@@ -443,12 +442,11 @@ def evaluate_checkpoint(
     if missing:
         raise InputError(f"{len(missing)} sample(s) are in none of {shards}: {missing[:3]}")
     items = [where[sid] for sid in sample_ids] if sample_ids is not None else sorted(where.values())
-    aux = list(Eagle3SpeculatorConfig.from_pretrained(drafter_dir).eagle_aux_hidden_state_layer_ids)
+    model = load_drafter(drafter_dir, target_path, cfg, device, trust_remote_code)
     try:
-        aux, aux_columns = drafter_aux_columns(aux, readers[0].aux_layer_ids)
+        aux, aux_columns = drafter_aux_columns(model.config.eagle_aux_hidden_state_layer_ids, readers[0].aux_layer_ids)
     except ValueError as e:
         raise InputError(f"{drafter_dir}: {e} ({readers[0].path})") from None
-    model = build_drafter(target_path, *_checkpoint_vocab(drafter_dir), aux, {**cfg, "init_from": drafter_dir}, device, trust_remote_code)
     d2t = model.d2t.cpu().numpy()
     hs_dtype, autocast = training_dtypes(cfg, device)
     total_seq_len = max(cfg["pack_tokens"], max_seq_len)
@@ -463,14 +461,23 @@ def evaluate_checkpoint(
     return out | {"samples": len(items), "tokens": int(sum(lengths))}
 
 
-def _checkpoint_vocab(drafter_dir: str) -> tuple[np.ndarray, np.ndarray]:
-    """A saved drafter's ``d2t`` and ``t2d`` buffers (speculators keeps them in the weights)."""
-    from safetensors import safe_open
+def load_drafter(drafter_dir: str, target_path: str, cfg: dict, device: str, trust_remote_code: bool = False):
+    """A finished drafter as speculators' ``Eagle3DraftModel`` (float32 on ``device``), its verifier
+    re-pointed at ``target_path``: the warm-start path of :func:`build_drafter` with the drafter's own
+    aux layer ids and draft vocab (``d2t``/``t2d``, which speculators keeps in the weights).
 
+    Raises:
+        InputError: the directory's weights hold no ``d2t``/``t2d`` (not a speculators EAGLE-3 drafter).
+    """
+    from safetensors import safe_open
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+
+    aux = list(Eagle3SpeculatorConfig.from_pretrained(drafter_dir).eagle_aux_hidden_state_layer_ids)
     for f in sorted(Path(drafter_dir).glob("*.safetensors")):
         with safe_open(str(f), framework="np") as sf:
             if {"d2t", "t2d"} <= set(sf.keys()):
-                return sf.get_tensor("d2t").astype(np.int64), sf.get_tensor("t2d").astype(bool)
+                d2t, t2d = sf.get_tensor("d2t").astype(np.int64), sf.get_tensor("t2d").astype(bool)
+                return build_drafter(target_path, d2t, t2d, aux, {**cfg, "init_from": drafter_dir}, device, trust_remote_code)
     raise InputError(f"{drafter_dir}: no d2t/t2d tensors in its weights; is it a speculators EAGLE-3 drafter?")
 
 
