@@ -33,7 +33,11 @@ def test_serving_snippet_guards_the_engine_and_uses_the_chat_template():
 def test_serving_snippet_runs_with_the_end_to_end_drafter(e2e_run, tmp_path):
     wd, _, res = e2e_run
     script = tmp_path / "serve.py"
-    script.write_text(serving_snippet().replace("results/default/drafter", str(res / "drafter")))
+    # README's CPU advice: enforce_eager=True skips torch.compile (~4 minutes of this test on 2 cores)
+    snippet = serving_snippet().replace("results/default/drafter", str(res / "drafter"))
+    snippet = snippet.replace("    llm = LLM(\n", "    llm = LLM(\n        enforce_eager=True,\n", 1)
+    assert "enforce_eager=True" in snippet
+    script.write_text(snippet)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     r = subprocess.run([sys.executable, str(script)], cwd=wd, capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

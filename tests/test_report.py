@@ -317,6 +317,7 @@ CATEGORIES = {
     "training_loss": "3. Training",
     "training_accuracy": "3. Training",
     "acceptance": "4. Evaluation",
+    "speedup": "4. Evaluation",
     "throughput": "5. Run time",
     "estimate_vs_actual": "5. Run time",
 }
