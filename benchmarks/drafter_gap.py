@@ -407,6 +407,7 @@ def main() -> None:
     ap.add_argument("--configfile", nargs="+", default=[str(ROOT / "config" / "config.yaml")])
     ap.add_argument("--config", nargs="*", default=[], help="YAML snippets applied last, e.g. 'vllm: {max_num_seqs: 256}'")
     ap.add_argument("--variant", help="a sweep variant's drafter instead of the run's")
+    ap.add_argument("--drafter", help="this drafter directory instead of the run's (e.g. another trainer's on the run's data)")
     ap.add_argument("--prompts", type=int, default=200, help="validation prompts")
     ap.add_argument("--rows", nargs="*", help="row name prefixes to run, in this order (default: all)")
     ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "drafter_gap"))
@@ -423,7 +424,7 @@ def main() -> None:
     acc_path = own / "eval" / "acceptance.json"  # absent when the run stopped after training
     acc = json.loads(acc_path.read_text()) if acc_path.exists() else {}
     drafter = str((own / "drafter").resolve()) if args.variant and (own / "drafter").exists() else acc.get("drafter")
-    drafter = drafter or str((run / "drafter").resolve())
+    drafter = str(Path(args.drafter).resolve()) if args.drafter else drafter or str((run / "drafter").resolve())
     k = acc.get("num_speculative_tokens") or cfg["evaluation"]["num_speculative_tokens"] or cfg["training"]["ttt_steps"]
     gen_len, eval_len = cfg["generation"]["max_tokens"], cfg["evaluation"]["max_tokens"]
     shards = [str(p) for p in sorted((run / "hidden_states").glob("shard-?????.safetensors"))]
@@ -446,7 +447,10 @@ def main() -> None:
         "eval_prompts": len(evalp),
         "generation_max_tokens": gen_len,
         "eval_max_tokens": eval_len,
-        "evaluate_drafter": {"tau": acc.get("acceptance_length"), "per_position": acc.get("per_position_acceptance_rate")},
+        # what the workflow's evaluation measured for this drafter (none for --drafter's)
+        "evaluate_drafter": None
+        if args.drafter
+        else {"tau": acc.get("acceptance_length"), "per_position": acc.get("per_position_acceptance_rate")},
         "engine": engine_identity(),
         "gpu": torch.cuda.get_device_name(0) if on_gpu else None,
         "rows": {},

@@ -1,0 +1,221 @@
+"""The reference trainer on our data: ``speculators train`` against train_drafter, same shards, same vocab.
+
+A finished run's hidden-state shards and draft vocabulary are written out in the layout
+speculators 0.9's trainer reads (``--data-path``: an Arrow dataset of ``input_ids``,
+``loss_mask``, ``seq_len`` and ``hidden_states/hs_<i>.safetensors`` holding
+``hidden_states`` ``[T, A + 1, H]``, the drafter's aux layers then the final one, and
+``token_ids``); training's own validation samples come last, so that
+``--train-data-ratio`` holds out exactly them. ``speculators train`` then runs with its own
+defaults except what makes the comparison fair: the run's epochs, TTT steps, aux layer ids
+and d2t/t2d (``--d2t-path``/``--t2d-path``), eager loss when its fused loss fails. Both
+drafters are measured by benchmarks/drafter_gap.py's rows (``vllm/default``: vLLM on the
+evaluation prompts and on the validation prompts, ``offline/validation``: replay of the
+validation answers), which run the evaluation's engine settings.
+
+    python benchmarks/reference_trainer.py --configfile config/examples/smollm2-h200.yaml \\
+        --out benchmarks/results/reference_trainer_h200.json
+    (a GPU host: speculators' trainer moves its model to CUDA device 0; ``--stage export``
+    alone runs anywhere)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "workflow_scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def export_for_speculators(shards: list[str], val_fraction: float, aux_layer_ids: list[int] | None, out: Path) -> dict:
+    """Write ``shards`` as a ``speculators train --data-path`` directory at ``out`` (replaced).
+
+    Args:
+        shards: hidden-state shards (:class:`eagle3_pipeline.hidden_states.ShardReader`).
+        val_fraction: ``training.val_fraction``; the samples
+            :func:`eagle3_pipeline.training.split_items` holds out are written last.
+        aux_layer_ids: ``training.aux_layer_ids`` (``None``: every stored aux layer).
+        out: the data directory.
+
+    Returns:
+        ``{"samples", "train", "val", "train_data_ratio", "aux_layer_ids", "ids"}``: the ratio
+        to pass as ``--train-data-ratio`` (``int(samples * ratio) == train``) and the sample
+        ids in file order.
+
+    Each ``hs_<i>.safetensors`` holds the tensors train_drafter's loader reads for sample
+    ``i`` (fp8 rows dequantised to bf16): ``hidden_states`` ``[T, A + 1, H]``, ``token_ids``
+    int64 ``[T]``; the dataset's ``input_ids``/``loss_mask`` are int64 ``[T]``.
+    """
+    import torch
+    from datasets import Dataset
+    from safetensors.torch import save_file
+
+    from eagle3_pipeline.conventions import drafter_aux_columns
+    from eagle3_pipeline.hidden_states import ShardReader
+    from eagle3_pipeline.training import split_items
+
+    readers = [ShardReader(p) for p in shards]
+    aux, columns = drafter_aux_columns(aux_layer_ids, readers[0].aux_layer_ids)
+    train, val = split_items(readers, val_fraction)
+    shutil.rmtree(out, ignore_errors=True)
+    (out / "hidden_states").mkdir(parents=True)
+    rows = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    ids = []
+    for i, (s, j) in enumerate(train + val):
+        r = readers[s]
+        smp = r.sample(j, layers=[*columns, len(r.layer_ids) - 1])
+        tokens = torch.as_tensor(smp["input_ids"]).long()
+        save_file(
+            {"hidden_states": smp["hidden_states"].contiguous(), "token_ids": tokens},
+            str(out / "hidden_states" / f"hs_{i}.safetensors"),
+        )
+        rows["input_ids"].append(tokens.tolist())
+        rows["loss_mask"].append(torch.as_tensor(smp["loss_mask"]).long().tolist())
+        rows["seq_len"].append(len(tokens))
+        ids.append(smp["id"])
+    Dataset.from_dict(rows).with_format("torch").save_to_disk(str(out))  # speculators reads tensors
+    n = len(ids)
+    return {
+        "samples": n,
+        "train": len(train),
+        "val": len(val),
+        "train_data_ratio": (len(train) + 0.5) / n,
+        "aux_layer_ids": aux,
+        "ids": ids,
+    }
+
+
+def speculators_command(
+    cfg: dict, target: str, data: Path, vocab: Path, aux: list[int], ratio: float, save: Path, eager_loss: bool
+) -> list[str]:
+    """``speculators train``: its defaults (optimizer, lr, schedule, loss, packing length, drafter
+    shape) except the run's epochs, TTT steps and loss decay, aux layer ids and draft vocab."""
+    import numpy as np
+
+    t = cfg["training"]
+    return [
+        sys.executable, "-m", "speculators", "train",
+        "--verifier-name-or-path", target, "--data-path", str(data), "--speculator-type", "eagle3",
+        "--target-layer-ids", *map(str, aux),
+        "--d2t-path", str(vocab / "d2t.npy"), "--t2d-path", str(vocab / "t2d.npy"),
+        "--draft-vocab-size", str(int(np.load(vocab / "d2t.npy").shape[0])),
+        "--epochs", str(t["epochs"]), "--ttt-steps", str(t["ttt_steps"]), "--ttt-step-loss-decay", str(t["ttt_step_loss_decay"]),
+        "--train-data-ratio", repr(ratio), "--on-missing", "raise", "--seed", str(cfg["seed"]),
+        "--save-path", str(save / "checkpoints"), "--log-dir", str(save / "logs"),
+        *(["--loss-implementation", "eager"] if eager_loss else []),
+    ]  # fmt: skip
+
+
+def train_speculators(cfg: dict, target: str, data: Path, vocab: Path, aux: list[int], ratio: float, save: Path) -> dict:
+    """Run ``speculators train``; with eager loss again when the fused loss fails.
+
+    Returns:
+        ``{"drafter", "seconds", "command", "eager_loss", "log"}``: the last epoch's checkpoint
+        directory (what vLLM loads), the wall time of the successful attempt.
+
+    Raises:
+        RuntimeError: both attempts failed (the log's tail in the message).
+    """
+    for eager in (False, True):
+        shutil.rmtree(save, ignore_errors=True)
+        save.mkdir(parents=True)
+        cmd = speculators_command(cfg, target, data, vocab, aux, ratio, save, eager)
+        t = time.perf_counter()
+        with open(save / "train.log", "w") as log:  # rich wraps at 80 columns off a terminal: one record per line
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"COLUMNS": "1000"}).returncode
+        seconds = time.perf_counter() - t
+        text = (save / "train.log").read_text(errors="replace")
+        if rc == 0:
+            epochs = sorted((int(p.name) for p in (save / "checkpoints").iterdir() if p.name.isdigit()), key=int)
+            drafter = save / "checkpoints" / str(epochs[-1])
+            return {
+                "drafter": str(drafter),
+                "seconds": round(seconds, 1),
+                "command": " ".join(cmd),
+                "eager_loss": eager,
+                "log": str(save / "train.log"),
+            }
+        print(f"speculators train failed (eager loss: {eager}):\n{text[-2000:]}", file=sys.stderr, flush=True)
+    raise RuntimeError(f"speculators train failed with fused and eager loss; log: {save / 'train.log'}")
+
+
+def gap_rows(configfiles: list[str], overrides: list[str], drafter: str, prompts: int, work: Path, deadline: float | None) -> dict:
+    """drafter_gap.py's ``vllm/default`` and ``offline/validation`` rows for ``drafter``."""
+    out = work / "gap.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "drafter_gap.py"), "--configfile", *configfiles, "--drafter", drafter]
+    cmd += ["--prompts", str(prompts), "--rows", "vllm/default", "offline/validation", "--work", str(work), "--out", str(out)]
+    cmd += [*(["--config", *overrides] if overrides else []), *(["--deadline", str(deadline)] if deadline else [])]
+    subprocess.run(cmd, check=False)
+    rows = json.loads(out.read_text())["rows"] if out.exists() else {}
+    return {name: {k: v for k, v in row.items() if k != "settings"} for name, row in rows.items()}
+
+
+def main() -> None:
+    from drafter_gap import load_config, target_dir
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configfile", nargs="+", default=[str(ROOT / "config" / "config.yaml")])
+    ap.add_argument("--config", nargs="*", default=[], help="YAML snippets applied last")
+    ap.add_argument("--stage", choices=["export", "train", "all"], default="all")
+    ap.add_argument("--prompts", type=int, default=200, help="validation prompts for the vLLM rows")
+    ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "reference_trainer"))
+    ap.add_argument("--deadline", type=float, help="seconds for each drafter's rows (a leased GPU)")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    cfg = load_config(args.configfile, args.config)
+    run = ROOT / "results" / cfg["run"]
+    target = target_dir(cfg)
+    work = Path(args.work)
+    shards = [str(p) for p in sorted((run / "hidden_states").glob("shard-?????.safetensors"))]
+    if not shards or not (run / "vocab" / "d2t.npy").exists():
+        sys.exit(f"{run}: no hidden-state shards or vocab; run the workflow to extract_hidden_states and build_vocab_mapping first")
+    result: dict = {"run": cfg["run"], "command": " ".join(["python", *sys.argv]), "config": cfg}
+
+    def save() -> None:
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+    t = time.perf_counter()
+    exported = export_for_speculators(shards, cfg["training"]["val_fraction"], cfg["training"]["aux_layer_ids"], work / "data")
+    result["export"] = {k: v for k, v in exported.items() if k != "ids"} | {"seconds": round(time.perf_counter() - t, 1)}
+    print(f"exported {exported['samples']} samples to {work / 'data'}", flush=True)
+    save()
+    if args.stage == "export":
+        return
+    ours_summary = run / "train" / "summary.json"
+    result["ours"] = {"drafter": str((run / "drafter").resolve())}
+    if ours_summary.exists():
+        s = json.loads(ours_summary.read_text())
+        result["ours"] |= {k: s.get(k) for k in ("seconds", "total_seconds", "steps", "tokens_seen")}
+    result["speculators"] = train_speculators(
+        cfg, target, work / "data", run / "vocab", exported["aux_layer_ids"], exported["train_data_ratio"], work / "speculators"
+    )
+    save()
+    if args.stage == "train":
+        return
+    for name in ("ours", "speculators"):
+        result[name]["rows"] = gap_rows(
+            args.configfile, args.config, result[name]["drafter"], args.prompts, work / f"gap-{name}", args.deadline
+        )
+        save()
+    table = [
+        (name, row, result[name]["rows"].get(row, {}).get("tau") or result[name]["rows"].get(row, {}).get("acceptance_length"))
+        for name in ("ours", "speculators")
+        for row in ("vllm/default/eval", "vllm/default/validation-short", "offline/validation")
+    ]
+    result["table"] = [{"trainer": n, "row": r, "tau": v} for n, r, v in table]
+    for n, r, v in table:
+        print(f"{n:12s} {r:32s} tau {v}")
+    save()
+
+
+if __name__ == "__main__":
+    main()
