@@ -40,3 +40,10 @@ def e2e_run(tmp_path_factory):
     # another --resources flag must not lift the full-model lock
     run_api(wd, cfg, cores=4, resources={"mem_gb": 100})
     return wd, cfg, wd / "results" / "e2e"
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that uses the end-to-end run is an ``e2e`` test (``-m "not e2e"`` leaves it out), marked or not."""
+    for item in items:
+        if "e2e_run" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.e2e)

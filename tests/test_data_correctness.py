@@ -179,7 +179,7 @@ def test_reasoning_capture_rate_is_reported():
     from eagle3_pipeline.generation import ShardResult
 
     base = {"prompt_token_ids": [1], "completion_token_ids": [2], "finish_reason": "stop"}
-    r = ShardResult(traces=[{**base, "reasoning": x} for x in ("a", "b", None, "c")])
+    r = ShardResult(traces=[{**base, "id": f"{i:016x}", "reasoning": x} for i, x in enumerate(("a", "b", None, "c"))])
     assert r.summary()["reasoning_capture_rate"] == pytest.approx(0.75) and r.summary()["reasoning_captured"] == 3
 
 
@@ -393,7 +393,7 @@ class FakeLLM:
         for rid, ids, params in reversed(done):
             self.events.append(("finish", rid))
             token_ids, text, reason = self.answer(ids, params)
-            comp = SimpleNamespace(token_ids=token_ids, text=text, finish_reason=reason)
+            comp = SimpleNamespace(index=0, token_ids=token_ids, text=text, finish_reason=reason)
             outs.append(SimpleNamespace(request_id=rid, finished=True, prompt_token_ids=ids, outputs=[comp]))
         return outs
 
@@ -490,3 +490,33 @@ def test_extraction_refuses_samples_longer_than_max_seq_len():
     t = {"id": "big", "prompt_token_ids": list(range(200)), "completion_token_ids": list(range(100))}
     with pytest.raises(ValueError, match="trace big: 300 tokens exceed max_seq_len=256"):
         sample_from_trace(t, 256)
+
+
+@pytest.mark.parametrize("mode", ["keep", "trim", "drop"])
+def test_looping_answers_are_kept_trimmed_or_dropped_from_training_only(tmp_path, mode):
+    from eagle3_pipeline.hidden_states import Sample
+    from eagle3_pipeline.training import ShardDataset, looping_answers
+
+    prompt = [900 + k for k in range(5)]
+    answers = {
+        "0000000000000001": list(range(40)),  # no loop
+        "0000000000000002": list(range(100, 110)) + [7, 8, 9, 10] * 10,  # 10 tokens, then a 4-token unit 10 times
+        "0000000000000003": [5] * 40,  # all loop
+    }
+    samples = [Sample(sid, np.array(prompt + a), loss_mask(len(prompt), len(a))) for sid, a in answers.items()]
+    states = [torch.zeros(len(s.input_ids), 2, 4, dtype=torch.bfloat16) for s in samples]
+    shard = tmp_path / "s.safetensors"
+    write_shard(shard, samples, states, layer_ids=[1, 2], aux_layer_ids=[1], index_path=tmp_path / "s.index.json")
+    r = ShardReader(shard)
+    items, loss_end, counts = looping_answers([r], [(0, 0), (0, 1), (0, 2)], mode)
+    assert counts["found"] == 2 and counts["mode"] == mode
+    if mode == "keep":
+        assert items == [(0, 0), (0, 1), (0, 2)] and loss_end == {} and counts["tokens_unsupervised"] == 0
+    elif mode == "trim":  # the second answer keeps its first 10 tokens; the third has nothing left
+        assert items == [(0, 0), (0, 1)] and loss_end == {(0, 1): 5 + 10}
+        assert (counts["trimmed"], counts["dropped"], counts["tokens_unsupervised"]) == (1, 1, 40 + 40)
+        mask = ShardDataset([r], items, 4096, torch.bfloat16, None, loss_end)[1]["loss_mask"]
+        assert mask.tolist() == [False] * 5 + [True] * 10 + [False] * 40
+        assert ShardDataset([r], items, 4096, torch.bfloat16)[1]["loss_mask"].sum() == 50  # untouched without loss_end
+    else:
+        assert items == [(0, 0)] and (counts["dropped"], counts["tokens_unsupervised"]) == (2, 50 + 40)

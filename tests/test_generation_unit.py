@@ -184,3 +184,148 @@ def test_run_eval_refuses_when_no_prompt_fits_before_any_request(tokenizer):
     with pytest.raises(InputError, match=r"no evaluation prompt fits: \d+ prompt tokens \+ evaluation.max_tokens 256 > max_seq_len 64"):
         questions = [{"id": "q1", "turns": ["Name the planets of the solar system."]}]
         run_eval(None, questions, eval_prompt_ids(tokenizer, questions), cfg, 64)
+
+
+class _SamplingEngine:
+    """An engine that samples ``params.n`` answers per request: answer j is ``[seed % 1000, j % dup_every]``
+    (``dup_every`` < n repeats answers), finishing every request at its first step."""
+
+    def __init__(self, dup_every: int = 1000):
+        self.dup_every, self.waiting, self.params = dup_every, [], {}
+
+    def add_request(self, request_id, prompt, params):
+        self.waiting.append((request_id, list(prompt["prompt_token_ids"]), params))
+        self.params[request_id] = params
+
+    def get_num_unfinished_requests(self):
+        return len(self.waiting)
+
+    def has_unfinished_requests(self):
+        return bool(self.waiting)
+
+    def step(self):
+        done, self.waiting = self.waiting, []
+        out = []
+        for rid, ids, p in done:
+            comps = [
+                SimpleNamespace(index=j, token_ids=[p.seed % 1000, j % self.dup_every], text=f"answer {j}", finish_reason="length")
+                for j in range(p.n)
+            ]
+            out.append(SimpleNamespace(request_id=rid, finished=True, prompt_token_ids=ids, outputs=comps[::-1]))  # any order
+        return out
+
+
+def _sampled(tokenizer, answers: int, dup_every: int = 1000):
+    from eagle3_pipeline.config import validate_config
+    from eagle3_pipeline.generation import generate_chunks
+
+    gen = validate_config({"generation": {"temperature": 0.8, "answers_per_prompt": answers, "max_tokens": 8}})["generation"]
+    records = [{"id": f"{i:016x}", "source": "t", "messages": [{"role": "user", "content": f"question {i}"}]} for i in (3, 5)]
+    eng = _SamplingEngine(dup_every)
+    got = {}
+    generate_chunks(
+        SimpleNamespace(llm_engine=eng), tokenizer, records, [(0, 2)], [0], gen,
+        max_seq_len=256, seed=11, engine={}, model={}, on_chunk=lambda i, res: got.setdefault(i, res),
+    )  # fmt: skip
+    return got[0], eng
+
+
+def test_each_sampled_answer_is_a_trace_of_its_own_with_a_stable_id(tokenizer):
+    from eagle3_pipeline.conventions import prompt_of
+
+    res, eng = _sampled(tokenizer, 3)
+    ids = [t["id"] for t in res.traces]
+    assert ids == [
+        "0000000000000003",
+        "0000000000000003-1",
+        "0000000000000003-2",
+        "0000000000000005",
+        "0000000000000005-1",
+        "0000000000000005-2",
+    ]
+    assert {prompt_of(i) for i in ids} == {"0000000000000003", "0000000000000005"}
+    assert [t["completion_token_ids"][1] for t in res.traces] == [0, 1, 2] * 2  # answer j in order of its index
+    assert all(p.n == 3 for p in eng.params.values())
+    # a per-request seed from the run's seed and the prompt id: the same on a rerun, different per prompt
+    seeds = [t["sampling"]["request_seed"] for t in res.traces]
+    assert seeds[0] == seeds[1] == seeds[2] != seeds[3] and seeds == [
+        t["sampling"]["request_seed"] for t in _sampled(tokenizer, 3)[0].traces
+    ]
+    assert sorted(p.seed for p in eng.params.values()) == sorted({seeds[0], seeds[3]})
+    s = res.summary()
+    assert (s["prompts"], s["ok"], s["rejected"]) == (2, 6, 0)
+
+
+def test_a_repeated_answer_of_one_prompt_is_a_counted_reject(tokenizer):
+    res, _ = _sampled(tokenizer, 3, dup_every=2)  # answer 2 repeats answer 0
+    assert [t["id"] for t in res.traces] == ["0000000000000003", "0000000000000003-1", "0000000000000005", "0000000000000005-1"]
+    assert [(r.reason, r.id, r.detail) for r in res.rejects] == [
+        ("duplicate_answer", "0000000000000003-2", "the same tokens as answer 0000000000000003"),
+        ("duplicate_answer", "0000000000000005-2", "the same tokens as answer 0000000000000005"),
+    ]
+    s = res.summary()
+    assert (s["prompts"], s["ok"], s["rejects_by_reason"]) == (2, 4, {"duplicate_answer": 2})
+
+
+def test_several_answers_need_sampling():
+    from eagle3_pipeline.config import ConfigError, validate_config
+
+    with pytest.raises(ConfigError, match=r"generation.answers_per_prompt 4 with generation.temperature 0 .* set temperature > 0"):
+        validate_config({"generation": {"answers_per_prompt": 4}})
+    assert validate_config({"generation": {"answers_per_prompt": 4, "temperature": 0.7}})["generation"]["answers_per_prompt"] == 4
+
+
+def test_every_answer_of_a_prompt_lands_on_the_same_side_of_the_validation_split(tmp_path):
+    import numpy as np
+    import torch
+
+    from eagle3_pipeline.conventions import answer_id, loss_mask
+    from eagle3_pipeline.hidden_states import Sample, ShardReader, write_shard
+    from eagle3_pipeline.training import split_items
+
+    def shard(name: str, ids: list[str]) -> ShardReader:
+        samples = [Sample(i, np.arange(6), loss_mask(3, 3)) for i in ids]
+        states = [torch.zeros(6, 2, 4, dtype=torch.bfloat16)] * len(ids)
+        write_shard(tmp_path / name, samples, states, layer_ids=[1, 2], aux_layer_ids=[1], index_path=tmp_path / f"{name}.json")
+        return ShardReader(tmp_path / name)
+
+    prompts = [f"{i:016x}" for i in range(40)]
+    r = shard("three.safetensors", [answer_id(p, j) for p in prompts for j in range(3)])
+    train, val = split_items([r], 0.3)
+    side = {}
+    for part, items in (("train", train), ("val", val)):
+        for _, i in items:
+            side.setdefault(r.sample_ids[i].partition("-")[0], set()).add(part)
+    assert len(side) == 40 and all(len(s) == 1 for s in side.values())
+    assert 0 < len(val) < 120 and len(val) % 3 == 0
+    # with one answer per prompt (sample id = prompt id) the same prompts are held out
+    one = shard("one.safetensors", prompts)
+    assert {one.sample_ids[i] for _, i in split_items([one], 0.3)[1]} == {p for p, s in side.items() if s == {"val"}}
+
+
+@pytest.mark.parametrize(
+    ("tokens", "start"),
+    [
+        (list(range(1, 21)) + [7, 8, 9] * 12, 20),  # a 3-token unit 12 times after an answer
+        ([5] * 40, 0),
+        (list(range(100)), None),
+        (list(range(30)) + [7, 8] * 10, None),  # 20 looping tokens: fewer than LOOP_MIN_TOKENS
+        (list(range(200, 264)) * 2 + [1], None),  # a 64-token unit twice, then another token
+        (list(range(10)) + list(range(300, 340)) * 3, 10),  # a 40-token unit 3 times
+    ],
+)
+def test_repetition_loop_finds_the_looping_tail(tokens, start):
+    from eagle3_pipeline.conventions import repetition_loop
+
+    assert repetition_loop(tokens) == start
+
+
+def test_the_traces_summary_counts_answers_ending_in_a_loop():
+    from eagle3_pipeline.generation import ShardResult
+
+    def trace(i, comp, reason):
+        return {"id": f"{i:016x}", "prompt_token_ids": [1], "completion_token_ids": comp, "finish_reason": reason, "reasoning": None}
+
+    res = ShardResult(traces=[trace(0, [4] * 50, "length"), trace(1, list(range(50)), "stop"), trace(2, [1, 2] * 30, "stop")])
+    s = res.summary()
+    assert (s["ok"], s["truncated"], s["repetition_loops"]) == (3, 1, 2)

@@ -425,6 +425,7 @@ def test_plan_after_a_finished_run_foresees_what_a_changed_parameter_reruns(e2e_
     assert start_plans(res) == starts  # `snakemake plan` keeps no start plan
 
 
+@pytest.mark.e2e
 def test_a_missing_drafter_is_trained_again_though_tau_exists(e2e_run):
     """The drafter is a target of its own: gone (e.g. an interrupted --forcerun), the plain command retrains it."""
     wd, cfg, res = e2e_run

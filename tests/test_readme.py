@@ -35,7 +35,8 @@ def test_serving_snippet_runs_with_the_end_to_end_drafter(e2e_run, tmp_path):
     script = tmp_path / "serve.py"
     # README's CPU advice: enforce_eager=True skips torch.compile (~4 minutes of this test on 2 cores)
     snippet = serving_snippet().replace("results/default/drafter", str(res / "drafter"))
-    snippet = snippet.replace("    llm = LLM(\n", "    llm = LLM(\n        enforce_eager=True,\n", 1)
+    head, call, rest = snippet.partition("    llm = LLM(\n")
+    snippet = head + call + rest.replace("\n    )\n", "\n        enforce_eager=True,\n    )\n", 1)  # the last argument
     assert "enforce_eager=True" in snippet
     script.write_text(snippet)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}

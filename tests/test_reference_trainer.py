@@ -44,7 +44,9 @@ def test_the_speculators_command_carries_the_runs_settings_and_its_own_defaults(
 
     cfg = validate_config({"seed": 7, "training": {"epochs": 5, "ttt_steps": 4, "ttt_step_loss_decay": 0.8}})
     write_random_train_inputs(tmp_path, 2)
-    cmd = reference_trainer.speculators_command(cfg, "/models/t", tmp_path / "data", tmp_path / "vocab", [2, 15, 27], 0.875, tmp_path / "s", True)
+    cmd = reference_trainer.speculators_command(
+        cfg, "/models/t", tmp_path / "data", tmp_path / "vocab", [2, 15, 27], 0.875, tmp_path / "s", True
+    )
     assert cmd[1:4] == ["-m", "speculators", "train"]
     got = TrainConfig.resolve(cmd[4:])  # the trainer's own parser and validation
     default = TrainConfig.resolve(["--verifier-name-or-path", "/models/t"])

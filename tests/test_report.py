@@ -108,6 +108,7 @@ SUMMARY = {
         "ok": 10,
         "errored": 1,
         "truncated": 4,
+        "repetition_loops": 2,
         "rejected": 1,
         "rejects_by_reason": {"prompt_too_long": 1},
         "reasoning_captured": 5,
@@ -127,8 +128,9 @@ SUMMARY = {
 
 def test_generation_outcomes_and_reasoning_capture_rate():
     ax = generation_figure(SUMMARY).axes[0]
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["prompts", "ok", "truncated", "with reasoning", "errored", "rejected"]
-    assert _bar_heights(ax) == [12, 10, 4, 5, 1, 1]
+    labels = ["prompts", "ok", "truncated", "looping", "with reasoning", "errored", "rejected"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == labels
+    assert _bar_heights(ax) == [12, 10, 4, 2, 5, 1, 1]
     assert "reasoning capture rate 50.0%" in ax.get_title()
 
 

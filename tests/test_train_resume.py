@@ -26,7 +26,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _train(work: Path, target: Path, env_extra: dict | None = None, **cfg_extra) -> subprocess.CompletedProcess:
     cfg = validate_config(
-        {"training": {"epochs": 2, "pack_tokens": 256, "checkpoint_every_steps": 1, "val_fraction": 0.2, "log_every_steps": 1, "optimizer": "adamw"} | cfg_extra}
+        {
+            "training": {
+                "epochs": 2,
+                "pack_tokens": 256,
+                "checkpoint_every_steps": 1,
+                "val_fraction": 0.2,
+                "log_every_steps": 1,
+                "optimizer": "adamw",
+            }
+            | cfg_extra
+        }
     )["training"]
     code = f"""
     import logging, sys

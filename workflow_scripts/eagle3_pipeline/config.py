@@ -126,7 +126,8 @@ def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) 
     Raises:
         ConfigError: listing each violation as ``<key path>: <message>``, e.g.
             ``training.lrr: Additional properties are not allowed ('lrr' was unexpected)``,
-            or a reserved run name, or ``vllm.replicas_per_gpu`` > 1 with a multi-GPU engine.
+            or a reserved run name, or ``vllm.replicas_per_gpu`` > 1 with a multi-GPU engine, or
+            ``generation.answers_per_prompt`` > 1 with greedy decoding (temperature 0).
     """
     schema = load_schema(schema_path)
     cfg = copy.deepcopy(config) if config else {}
@@ -143,6 +144,12 @@ def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) 
         raise ConfigError(
             f"invalid configuration: run: {cfg['run']!r} is reserved (benchmarks/{cfg['run']}/ would mix with "
             "benchmarks/results/, which holds the recorded figures); choose another run name"
+        )
+    g = cfg["generation"]
+    if g["answers_per_prompt"] > 1 and g["temperature"] == 0:
+        raise ConfigError(
+            f"invalid configuration: generation.answers_per_prompt {g['answers_per_prompt']} with generation.temperature 0 "
+            "gives the same greedy answer every time; set temperature > 0 (e.g. 0.7, with top_p) or answers_per_prompt to 1"
         )
     v = cfg["vllm"]
     if v["replicas_per_gpu"] > 1 and v["tensor_parallel_size"] * v["pipeline_parallel_size"] > 1:

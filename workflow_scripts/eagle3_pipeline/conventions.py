@@ -1,4 +1,4 @@
-"""Conventions every stage shares, named once: layer ids, loss mask, token alignment.
+"""Conventions every stage shares, named once: layer ids, loss mask, token alignment, answer ids, repetition loops.
 
 Layer ids (vLLM / speculators convention)
     For a target with ``n = num_hidden_layers`` decoder layers, id ``k < n`` is the
@@ -113,3 +113,47 @@ def loss_mask(num_prompt_tokens: int, num_completion_tokens: int) -> np.ndarray:
     m = np.zeros(num_prompt_tokens + num_completion_tokens, dtype=bool)
     m[num_prompt_tokens:] = True
     return m
+
+
+def answer_id(prompt: str, j: int) -> str:
+    """Id of answer ``j`` (0-based) to the prompt with id ``prompt``: the prompt's id for the
+    first answer (one answer per prompt: trace id = prompt id), ``"<prompt>-<j>"`` for the others
+    (``generation.answers_per_prompt``). Prompt ids are hex
+    (:func:`eagle3_pipeline.prompts.prompt_id`), so ``-`` is free."""
+    return prompt if j == 0 else f"{prompt}-{j}"
+
+
+def prompt_of(sample_id: str) -> str:
+    """The prompt id of a trace or sample id (:func:`answer_id`'s inverse on the prompt part)."""
+    return sample_id.partition("-")[0]
+
+
+#: An answer ends in a repetition loop when its last tokens repeat one unit of at most
+#: LOOP_MAX_PERIOD tokens at least LOOP_MIN_REPEATS times, over at least LOOP_MIN_TOKENS tokens.
+LOOP_MAX_PERIOD, LOOP_MIN_REPEATS, LOOP_MIN_TOKENS = 64, 3, 32
+
+
+def repetition_loop(tokens: Sequence[int]) -> int | None:
+    """Where a degenerate repetition loop at the end of ``tokens`` starts, or ``None``.
+
+    The periodic tail is the longest suffix with ``tokens[i] == tokens[i - p]`` for a period
+    ``p`` <= :data:`LOOP_MAX_PERIOD`; it is a loop when it spans at least
+    :data:`LOOP_MIN_REPEATS` periods and :data:`LOOP_MIN_TOKENS` tokens. Among such periods the
+    longest tail wins (the smallest period on a tie).
+
+    Args:
+        tokens: a completion's token ids ``[T]``.
+
+    Returns:
+        the index of the tail's first token (its first copy of the unit), or ``None``.
+    """
+    import numpy as np
+
+    a = np.asarray(tokens, dtype=np.int64)
+    best: tuple[int, int] | None = None  # (tail length, -period)
+    for p in range(1, min(LOOP_MAX_PERIOD, len(a) // LOOP_MIN_REPEATS) + 1):
+        differs = np.flatnonzero(a[p:] != a[:-p])
+        tail = p + (len(a) - p - (int(differs[-1]) + 1) if len(differs) else len(a) - p)
+        if tail >= max(LOOP_MIN_REPEATS * p, LOOP_MIN_TOKENS) and (best is None or (tail, -p) > best):
+            best = (tail, -p)
+    return None if best is None else len(a) - best[0]

@@ -14,7 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .io import InputError
+from .conventions import answer_id, prompt_of, repetition_loop
+from .io import InputError, sha256_json
 from .prompts import Reject
 from .runtime import Timer, progress
 
@@ -108,15 +109,19 @@ class ShardResult:
     rejects: list[Reject] = field(default_factory=list)
 
     def summary(self) -> dict:
-        """Counts: prompts, ok, errored, truncated, rejects by reason, reasoning capture, tokens."""
+        """Counts: prompts (distinct prompt ids), ok (traces: answers), errored, truncated (at
+        ``max_tokens``), repetition_loops (answers ending in one, :func:`eagle3_pipeline.conventions.repetition_loop`), rejects
+        by reason, reasoning capture, tokens."""
         ok = len(self.traces)
         reasoning = sum(t["reasoning"] is not None for t in self.traces)
         by_reason = Counter(r.reason for r in self.rejects)
+        prompts = {prompt_of(t["id"]) for t in self.traces} | {prompt_of(r.id or r.source) for r in self.rejects}
         return {
-            "prompts": ok + len(self.rejects),
+            "prompts": len(prompts),
             "ok": ok,
             "errored": by_reason["generation_error"],
             "truncated": sum(t["finish_reason"] == "length" for t in self.traces),
+            "repetition_loops": sum(repetition_loop(t["completion_token_ids"]) is not None for t in self.traces),
             "rejected": len(self.rejects),
             "rejects_by_reason": dict(sorted(by_reason.items())),
             "reasoning_captured": reasoning,
@@ -202,7 +207,7 @@ def generate_chunks(
     on_chunk,
     total: int | None = None,
 ) -> None:
-    """Generate one completion per prompt record of each chunk, feeding the engine continuously.
+    """Generate ``answers_per_prompt`` completions per prompt record of each chunk, feeding the engine continuously.
 
     Chunk ``i`` is ``records[ranges[i][0]:ranges[i][1]]``; chunk indices are taken from the
     iterable ``chunks`` (a shared queue with data-parallel replicas) whenever fewer than
@@ -237,6 +242,15 @@ def generate_chunks(
     from .engine import feed_engine
 
     sampling = {k: gen_cfg[k] for k in ("temperature", "top_p", "top_k", "max_tokens")}
+    answers = gen_cfg["answers_per_prompt"]
+
+    def request_seed(prompt: str) -> dict:
+        """Sampling's per-request seed, from the run's seed and the prompt id: a prompt's answers do
+        not depend on which chunk, replica or batch it ran in (greedy decoding needs none)."""
+        if gen_cfg["temperature"] == 0:
+            return {}
+        return {"request_seed": int(sha256_json([seed, prompt])[:8], 16)}
+
     split = make_reasoning_splitter(gen_cfg, tokenizer)
     eng = llm.llm_engine
     # chunk index -> [requests, finished outputs by position, rejects]
@@ -250,34 +264,45 @@ def generate_chunks(
         res = ShardResult(rejects=list(rejects))
         for k, (rec, ids, mt) in enumerate(todo):
             out = outs[k]
-            comp = out.outputs[0] if out.outputs else None
-            if comp is None or comp.finish_reason not in ("stop", "length"):
-                reason = comp.finish_reason if comp is not None else "no_output"
-                res.rejects.append(Reject(rec["source"], "generation_error", f"finish_reason={reason}", id=rec["id"]))
-                continue
-            comp_ids = [int(t) for t in comp.token_ids]
-            if not comp_ids:
-                res.rejects.append(Reject(rec["source"], "empty_completion", "the target produced no tokens", id=rec["id"]))
-                continue
             if list(out.prompt_token_ids) != ids:
                 raise RuntimeError(f"vLLM changed the prompt ids of {rec['id']}: tokenization drift")
-            reasoning, answer = split(comp.text)
-            res.traces.append(
-                {
-                    "id": rec["id"],
-                    "source": rec["source"],
-                    "messages": rec["messages"],
-                    "prompt_token_ids": ids,
-                    "completion_token_ids": comp_ids,
-                    "text": comp.text,
-                    "reasoning": reasoning,
-                    "content": answer,
-                    "finish_reason": comp.finish_reason,
-                    "sampling": {**sampling, "max_tokens": mt, "seed": seed},
-                    "engine": engine,
-                    "model": model,
-                }
-            )
+            comps = sorted(out.outputs, key=lambda c: c.index)
+            if len(comps) != answers:
+                res.rejects.append(Reject(rec["source"], "generation_error", f"{len(comps)} of {answers} answers returned", id=rec["id"]))
+                continue
+            seen: dict[tuple[int, ...], str] = {}
+            for j, comp in enumerate(comps):
+                aid = answer_id(rec["id"], j)
+                if comp.finish_reason not in ("stop", "length"):
+                    res.rejects.append(Reject(rec["source"], "generation_error", f"finish_reason={comp.finish_reason}", id=aid))
+                    continue
+                comp_ids = [int(t) for t in comp.token_ids]
+                if not comp_ids:
+                    res.rejects.append(Reject(rec["source"], "empty_completion", "the target produced no tokens", id=aid))
+                    continue
+                if tuple(comp_ids) in seen:
+                    res.rejects.append(
+                        Reject(rec["source"], "duplicate_answer", f"the same tokens as answer {seen[tuple(comp_ids)]}", id=aid)
+                    )
+                    continue
+                seen[tuple(comp_ids)] = aid
+                reasoning, answer = split(comp.text)
+                res.traces.append(
+                    {
+                        "id": aid,
+                        "source": rec["source"],
+                        "messages": rec["messages"],
+                        "prompt_token_ids": ids,
+                        "completion_token_ids": comp_ids,
+                        "text": comp.text,
+                        "reasoning": reasoning,
+                        "content": answer,
+                        "finish_reason": comp.finish_reason,
+                        "sampling": {**sampling, "max_tokens": mt, "seed": seed, **request_seed(rec["id"])},
+                        "engine": engine,
+                        "model": model,
+                    }
+                )
         on_chunk(i, res)
 
     def add_chunk(i: int) -> None:
@@ -285,8 +310,10 @@ def generate_chunks(
         todo, rejects = _requests(tokenizer, records[a:b], gen_cfg, max_seq_len)
         open_chunks[i] = (todo, {}, rejects)
         bar.update(len(rejects))
-        for k, (_rec, ids, mt) in enumerate(todo):
+        for k, (rec, ids, mt) in enumerate(todo):
             params = SamplingParams(
+                n=answers,
+                seed=request_seed(rec["id"]).get("request_seed"),
                 temperature=sampling["temperature"],
                 top_p=sampling["top_p"],
                 top_k=sampling["top_k"],

@@ -258,9 +258,11 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
         n_ok, tok_src = ok, "this run's traces"
     else:
         p_tok, c_tok = PROMPT_TOKENS_BY_TURNS[cfg["prompts"]["turns"]], COMPLETION_FILL * cfg["generation"]["max_tokens"]
+        answers = cfg["generation"]["answers_per_prompt"]
         n_ok, tok_src = (
-            n_prompts,
-            f"{p_tok} prompt tokens ({cfg['prompts']['turns']} turns) + {COMPLETION_FILL:.0%} of max_tokens per prompt (demo run)",
+            n_prompts * answers,
+            f"{p_tok} prompt tokens ({cfg['prompts']['turns']} turns) + {COMPLETION_FILL:.0%} of max_tokens per answer (demo run)"
+            + (f", {answers} answers per prompt" if answers > 1 else ""),
         )
     ratio = ref["params"] / max(target["params"], 1)
     # time per token ~ parameters for a big target; a smaller one gains less on a GPU (measured: the
@@ -304,7 +306,7 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
     dtype = cfg["extraction"]["storage_dtype"]
     itemsize = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}[dtype]
     per_token = len(layers) * target["hidden_size"] * itemsize + (4 * len(layers) if dtype == "float8_e4m3fn" else 0)
-    gen_tokens = int(n_prompts * c_tok)
+    gen_tokens = int(n_prompts * cfg["generation"]["answers_per_prompt"] * c_tok)
     ext_tokens = int(n_ok * (p_tok + c_tok))
     epochs = cfg["training"]["epochs"]
     train_fraction = 1.0 - cfg["training"]["val_fraction"]

@@ -112,20 +112,20 @@ def lengths_figure(prompt: np.ndarray, completion: np.ndarray, max_tokens: int |
 def generation_figure(summary: Mapping) -> Figure:
     """Generation outcomes in records (``summary.json``'s ``generation``) and the reasoning capture rate.
 
-    Bars: prompts sent, completions kept (``ok``), of those truncated at ``max_tokens`` and
-    with reasoning captured, errored and rejected records. The title states the reasoning
+    Bars: prompts sent, completions kept (``ok``), of those truncated at ``max_tokens``, ending
+    in a repetition loop and with reasoning captured, errored and rejected records. The title states the reasoning
     capture rate (completions with a reasoning trace / completions kept).
     """
     g = summary["generation"]
-    labels = ["prompts", "ok", "truncated", "with reasoning", "errored", "rejected"]
-    values = [g["prompts"], g["ok"], g["truncated"], g["reasoning_captured"], g["errored"], g["rejected"]]
-    fig = Figure(figsize=(7, 3.6), layout="constrained")
+    labels = ["prompts", "ok", "truncated", "looping", "with reasoning", "errored", "rejected"]
+    values = [g["prompts"], g["ok"], g["truncated"], g.get("repetition_loops", 0), g["reasoning_captured"], g["errored"], g["rejected"]]
+    fig = Figure(figsize=(7.6, 3.6), layout="constrained")
     ax = fig.subplots()
-    bars = ax.bar(labels, values, color=["C7", "C2", "C1", "C4", "C3", "C3"])
+    bars = ax.bar(labels, values, color=["C7", "C2", "C1", "C5", "C4", "C3", "C3"])
     ax.bar_label(bars, labels=[f"{v:,}" for v in values], fontsize=8)
     ax.set_ylabel("records")
     ax.set_title(
-        f"generation: {g['ok']:,} of {g['prompts']:,} completions kept; reasoning capture rate {g['reasoning_capture_rate']:.1%}",
+        f"generation: {g['ok']:,} completions kept of {g['prompts']:,} prompts; reasoning capture rate {g['reasoning_capture_rate']:.1%}",
         fontsize=10,
     )
     ax.margins(y=0.15)

@@ -32,6 +32,7 @@ def summarize(prompts: str, traces: list[str], coverage: str, hidden_indexes: li
         "ok": ok,
         "errored": sum(t["errored"] for t in ts),
         "truncated": sum(t["truncated"] for t in ts),
+        "repetition_loops": sum(t.get("repetition_loops", 0) for t in ts),  # absent from traces generated before it was counted
         "rejected": sum(t["rejected"] for t in ts),
         "rejects_by_reason": dict(sorted(gen_rejects.items())),
         "reasoning_captured": reasoning,

@@ -19,13 +19,14 @@ import logging
 import math
 import os
 from collections import defaultdict
+from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from .conventions import drafter_aux_columns
+from .conventions import drafter_aux_columns, prompt_of, repetition_loop
 from .hidden_states import ShardReader
 from .io import InputError, atomic_dir, sha256_file, sha256_json, write_text_atomic
 from .runtime import Timer, progress
@@ -57,10 +58,12 @@ class ShardDataset(_base_dataset()):  # type: ignore[misc]
         max_len: int,
         hidden_states_dtype: torch.dtype,
         aux_columns: list[int] | None = None,
+        loss_end: Mapping[tuple[int, int], int] | None = None,
     ):
         self.readers = readers
         self.items = items
         self.aux_columns = aux_columns  # which stored aux layers the drafter uses (None: all)
+        self.loss_end = loss_end or {}  # (shard, sample) -> first position without loss (looping_answers: trim)
         super().__init__(max_len=max_len, hidden_states_dtype=hidden_states_dtype)
 
     def __len__(self) -> int:
@@ -78,21 +81,70 @@ class ShardDataset(_base_dataset()):  # type: ignore[misc]
         smp = reader.sample(i, layers=[*aux_cols, n_stored - 1])  # only what the drafter reads is dequantised
         hs = smp["hidden_states"]  # [T, A + 1, H]: the drafter's aux layers, then the final layer
         t, n, h = hs.shape
+        mask = smp["loss_mask"].bool()
+        if (s, i) in self.loss_end:
+            mask = mask.clone()
+            mask[self.loss_end[s, i] :] = False
         return {
             "hidden_states": hs[:, : n - 1].reshape(t, (n - 1) * h).to(self.hidden_states_dtype),
             "verifier_last_hidden_states": hs[:, n - 1].to(self.hidden_states_dtype),
             "input_ids": smp["input_ids"].long(),
-            "loss_mask": smp["loss_mask"].bool(),
+            "loss_mask": mask,
         }
+
+
+def looping_answers(
+    readers: list[ShardReader], items: list[tuple[int, int]], mode: str
+) -> tuple[list[tuple[int, int]], dict[tuple[int, int], int], dict]:
+    """Apply ``training.looping_answers`` to training ``items``.
+
+    An answer loops when its supervised tokens (loss mask on) end in a repetition loop
+    (:func:`eagle3_pipeline.conventions.repetition_loop`).
+
+    Args:
+        readers: the shards.
+        items: ``(shard index, sample index)`` of the training split.
+        mode: ``keep`` (count only), ``trim`` (no loss from the loop's first token on; an answer
+            whose supervised tokens are all loop is dropped) or ``drop``.
+
+    Returns:
+        ``(items kept, loss_end, counts)``: ``loss_end`` maps a trimmed item to the first
+        position (token index in its sample) without loss; ``counts`` is ``{"mode", "found",
+        "trimmed", "dropped", "tokens_unsupervised"}`` (supervised tokens taken out by trim or drop).
+    """
+    kept, loss_end = [], {}
+    counts = {"mode": mode, "found": 0, "trimmed": 0, "dropped": 0, "tokens_unsupervised": 0}
+    for s, i in items:
+        r = readers[s]
+        a, b = int(r.offsets[i]), int(r.offsets[i + 1])
+        supervised = np.flatnonzero(r.loss_mask[a:b].numpy())
+        start = repetition_loop(r.input_ids[a:b].numpy()[supervised]) if len(supervised) else None
+        if start is None:
+            kept.append((s, i))
+            continue
+        counts["found"] += 1
+        if mode == "keep":
+            kept.append((s, i))
+        elif mode == "trim" and start > 0:
+            loss_end[s, i] = int(supervised[start])
+            counts["trimmed"] += 1
+            counts["tokens_unsupervised"] += len(supervised) - start
+            kept.append((s, i))
+        else:
+            counts["dropped"] += 1
+            counts["tokens_unsupervised"] += len(supervised)
+    return kept, loss_end, counts
 
 
 def split_items(
     readers: list[ShardReader], val_fraction: float, max_train_samples: int | None = None
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """Split samples into train/validation by a hash of their id: deterministic.
+    """Split samples into train/validation by a hash of their prompt's id: deterministic.
 
-    A sample is validation when the first 8 bytes of ``sha256("val:" + id)``, read as a
-    fraction of 2**64, fall below ``val_fraction``. The id itself is not used directly:
+    A sample is validation when the first 8 bytes of ``sha256("val:" + prompt id)``, read as
+    a fraction of 2**64, fall below ``val_fraction``; the prompt id
+    (:func:`eagle3_pipeline.conventions.prompt_of`) is the sample id for one answer per prompt, and
+    keeps every answer of a prompt on one side (``generation.answers_per_prompt``). The id itself is not used directly:
     ``prompts.max_prompts`` keeps the lowest ids, which would all land on one side.
     At least one sample stays in training. ``max_train_samples`` keeps the first N training
     samples in shard order (training.max_train_samples); validation is the same for any N.
@@ -103,7 +155,7 @@ def split_items(
     train, val = [], []
     for s, r in enumerate(readers):
         for i, sid in enumerate(r.sample_ids):
-            u = int.from_bytes(hashlib.sha256(f"val:{sid}".encode()).digest()[:8], "big") / 2**64
+            u = int.from_bytes(hashlib.sha256(f"val:{prompt_of(sid)}".encode()).digest()[:8], "big") / 2**64
             (val if u < val_fraction else train).append((s, i))
     if not train:
         train, val = val[:1], val[1:]
@@ -606,7 +658,19 @@ def train(
     hidden_size = base.hidden_size
 
     train_items, val_items = split_items(readers, cfg["val_fraction"], cfg.get("max_train_samples"))
-    train_ds = ShardDataset(readers, train_items, total_seq_len, hs_dtype, aux_columns)
+    train_items, loss_end, loops = looping_answers(readers, train_items, cfg["looping_answers"])
+    if loops["found"]:
+        logger.info(
+            "training: %d of %d training answers end in a repetition loop (looping_answers: %s; %d trimmed, %d dropped)",
+            loops["found"],
+            len(train_items) + loops["dropped"],
+            loops["mode"],
+            loops["trimmed"],
+            loops["dropped"],
+        )
+    if not train_items:
+        raise InputError("training.looping_answers: drop left no training answer (every one ends in a repetition loop); use trim or keep")
+    train_ds = ShardDataset(readers, train_items, total_seq_len, hs_dtype, aux_columns, loss_end)
     val_ds = ShardDataset(readers, val_items, total_seq_len, hs_dtype, aux_columns) if val_items else None
     train_loader = _loader(train_ds, total_seq_len, hidden_size, len(aux), seed)
     val_loader = _loader(val_ds, total_seq_len, hidden_size, len(aux), seed) if val_ds else None
@@ -842,6 +906,7 @@ def train(
         "aux_layer_ids": aux,
         "draft_vocab_size": int(d2t.shape[0]),
         "ttt_steps": cfg["ttt_steps"],
+        "looping_answers": loops,
         "final_train": last_train,
         "final_val": val_metrics,
     }
