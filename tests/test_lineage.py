@@ -275,3 +275,20 @@ def test_verify_names_what_changed_after_the_run(synthetic):
     assert "results/r/vocab/token_freq.npy: missing (the run manifest lists it)" in problems
     assert len(problems) == 6  # the source's size and its hash; nothing else
     assert check_manifest("results/r/nope.json") == ["results/r/nope.json: missing"]
+
+
+def test_the_manifest_records_the_bytes_on_disk_and_fails_its_check_for_an_altered_shard(synthetic):
+    root, jobs, config, target = synthetic
+    shard = root / "results/r/hidden_states/shard-00000.safetensors"
+    recorded = json.loads(shard.with_name("shard-00000.index.json").read_text())["sha256"]
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x01  # one byte, same size
+    shard.write_bytes(bytes(data))
+    m = build_manifest("results/r", jobs, config, str(target))
+    node = m["artifacts"]["hidden_states/shard-00000.safetensors"]
+    assert node["sha256"] == sha(shard) != recorded and node["hash"] == "sha256"
+    (check,) = [c for c in m["checks"] if not c["ok"]]
+    assert check["check"] == "shard_index"
+    assert f"sha256 {sha(shard)}" in check["detail"] and f"its index recorded {recorded}" in check["detail"]
+    # the drafter's input is the bytes on disk too
+    assert {i["sha256"] for i in m["artifacts"]["drafter"]["inputs"] if i["name"] == "shards"} == {sha(shard)}

@@ -76,3 +76,83 @@ def test_altered_and_missing_trace_shards_are_named(tmp_path):
     assert any("sha256" in p and str(traces) in p for p in problems)
     assert any("1 records, the manifest says 2" in p for p in problems)
     assert f"{tmp_path / 'shard-00001.jsonl'}: missing" in problems
+
+
+# --- consumers check what their producers recorded -----------------------------------------------
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    """Change one byte in place (same size), as an edit or a damaged disk would."""
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_recorded_hash_is_trusted_only_while_the_file_is_unwritten(tmp_path, monkeypatch):
+    import os
+
+    import pytest
+
+    from eagle3_pipeline import io
+    from eagle3_pipeline.io import InputError, checked_sha256, file_stat
+
+    f = tmp_path / "x.bin"
+    f.write_bytes(b"abc" * 1000)
+    digest, stat = sha256_file(f), file_stat(f)
+    reads = []
+    monkeypatch.setattr(io, "sha256_file", lambda p, *a: reads.append(p) or sha256_file(p))
+    assert checked_sha256(f, digest, stat, "rec.json") == digest and reads == []  # unwritten since: not read
+    os.utime(f, ns=(stat["mtime_ns"] + 10**9, stat["mtime_ns"] + 10**9))  # touched (or copied): read once, equal
+    assert checked_sha256(f, digest, stat, "rec.json") == digest and len(reads) == 1
+    assert checked_sha256(f, digest, None, "rec.json") == digest and len(reads) == 1  # same bytes and stat: hashed once per process
+    _flip_byte(f, 5)
+    with pytest.raises(InputError) as e:
+        checked_sha256(f, digest, stat, "rec.json")
+    assert f"{f}: its bytes differ from what its producer recorded in rec.json" in str(e.value)
+    assert f"sha256 {sha256_file(f)} on disk, {digest} recorded" in str(e.value) and "delete it and run the workflow again" in str(e.value)
+
+
+def test_training_refuses_a_shard_altered_after_extraction(tmp_path, target_dir):
+    import pytest
+    from train_support import write_random_train_inputs
+
+    from eagle3_pipeline.config import validate_config
+    from eagle3_pipeline.io import InputError
+    from eagle3_pipeline.training import train
+
+    shard = write_random_train_inputs(tmp_path, 4)
+    index = json.loads((tmp_path / "shard-00000.index.json").read_text())
+    _flip_byte(shard, shard.stat().st_size - 3)  # inside the last tensor's bytes: still a readable shard
+    cfg = validate_config({"training": {"epochs": 1, "pack_tokens": 256, "optimizer": "adamw"}})["training"]
+    with pytest.raises(
+        InputError,
+        match=rf"its bytes differ .* recorded in {tmp_path / 'shard-00000.index.json'}: sha256 [0-9a-f]{{64}} on disk, {index['sha256']} recorded",
+    ):
+        train(
+            [str(shard)],
+            str(tmp_path / "vocab"),
+            str(target_dir),
+            str(tmp_path / "d"),
+            str(tmp_path / "m.jsonl"),
+            cfg,
+            seed=0,
+            max_seq_len=256,
+        )
+    assert not (tmp_path / "d").exists()
+
+
+def test_extraction_refuses_traces_altered_after_generation(tmp_path):
+    import pytest
+
+    from eagle3_pipeline.generation import recorded_traces_sha256
+    from eagle3_pipeline.io import InputError, file_stat
+
+    traces = tmp_path / "shard-00000.jsonl"
+    traces.write_text('{"id": "a"}\n')
+    (tmp_path / "shard-00000.summary.json").write_text(json.dumps({"traces_sha256": sha256_file(traces), "traces_stat": file_stat(traces)}))
+    assert recorded_traces_sha256(traces) == sha256_file(traces)
+    traces.write_text('{"id": "b"}\n')
+    with pytest.raises(
+        InputError, match=r"shard-00000.jsonl: its bytes differ from what its producer recorded in .*shard-00000.summary.json"
+    ):
+        recorded_traces_sha256(traces)

@@ -9,6 +9,7 @@ token when the target emitted one). Text is never re-tokenized downstream.
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -182,6 +183,29 @@ def _requests(
             continue
         todo.append((rec, ids, min(gen_cfg["max_tokens"], room)))
     return todo, rejects
+
+
+def traces_summary_path(traces_path: str | os.PathLike) -> Path:
+    """The ``.summary.json`` a trace shard's job writes beside it (counts, ``traces_sha256``)."""
+    p = Path(traces_path)
+    return p.with_name(p.name.replace(".jsonl", ".summary.json"))
+
+
+def recorded_traces_sha256(traces_path: str | os.PathLike) -> str:
+    """The SHA-256 of a trace shard, checked against the one generation recorded in its summary
+    (:func:`eagle3_pipeline.io.checked_sha256`); hashed without a check when there is no summary
+    (traces brought from another machine: README "Traces from another machine").
+
+    Raises:
+        InputError: the shard's bytes differ from the recorded ones.
+    """
+    from .io import checked_sha256, read_json, sha256_file
+
+    summary = traces_summary_path(traces_path)
+    if not summary.is_file():
+        return sha256_file(traces_path)
+    m = read_json(summary)
+    return checked_sha256(traces_path, m.get("traces_sha256"), m.get("traces_stat"), str(summary))
 
 
 def queued_requests(llm) -> int:
@@ -508,7 +532,7 @@ def run_generation_shard(
 
     from .config import result_settings
     from .hygiene import check_gpus_free, cleanup_stale_processes, host_lock
-    from .io import read_jsonl, sha256_file, sha256_json, write_json_atomic, write_jsonl_atomic
+    from .io import file_stat, read_jsonl, sha256_file, sha256_json, write_json_atomic, write_jsonl_atomic
     from .parallel import replica_stats, run_replicas
     from .resume import ChunkStore, chunk_ranges, finished_by_another_job, todo_chunks
     from .runtime import Timer, peak_memory
@@ -582,6 +606,7 @@ def run_generation_shard(
                 "completion_tokens_per_second": stats.get("completion_tokens", 0) / gen_s if gen_s else 0.0,
                 "replicas": stats.get("replicas", []),
                 "traces_sha256": sha256_file(out["traces"]),
+                "traces_stat": file_stat(out["traces"]),  # the shard as hashed (io.checked_sha256)
                 "fingerprint": fingerprint,
             }
             | peak_memory()

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from .conventions import loss_mask
-from .io import atomic_path, sha256_file, write_json_atomic
+from .io import atomic_path, file_stat, sha256_file, write_json_atomic
 from .runtime import progress
 
 logger = logging.getLogger(__name__)
@@ -509,6 +509,12 @@ def write_shard(
     return shard_index(path, samples, layer_ids=layer_ids, aux_layer_ids=aux_layer_ids, index_path=index_path, checksum=checksum)
 
 
+def shard_index_path(shard: str | os.PathLike) -> Path:
+    """The ``.index.json`` beside a hidden-state shard (``shard-00000.safetensors`` → ``shard-00000.index.json``)."""
+    p = Path(shard)
+    return p.with_name(p.name.replace(".safetensors", ".index.json"))
+
+
 def shard_index(
     path: str | os.PathLike,
     samples: Sequence[Sample],
@@ -539,6 +545,8 @@ def shard_index(
         "dtype": str(dtype).removeprefix("torch."),
         "bytes": os.path.getsize(path),
         "sha256": sha256_file(path) if checksum else None,
+        # the shard as hashed: a reader trusts the hash while size, mtime and inode are these (io.checked_sha256)
+        "stat": file_stat(path) if checksum else None,
         "samples": [{"id": s.id, "offset": o, "length": n} for s, o, n in zip(samples, offsets[:-1], lengths, strict=True)],
     }
     if index_path is not None:
@@ -721,16 +729,18 @@ def _extraction_replica(job: dict, rank: int, chunks) -> None:
 def extraction_fingerprint(traces_path: str, target: str, cfg: dict, max_seq_len: int) -> str:
     """Identity (hex SHA-256) of what an extraction job's chunks contain.
 
-    Covers the traces' bytes, the target's fingerprint, the backend, layer ids, storage
+    Covers the traces' bytes (checked against generation's record: an altered trace shard is an
+    :class:`~eagle3_pipeline.io.InputError`), the target's fingerprint, the backend, layer ids, storage
     dtype, chunk size and ``max_seq_len``: a resume keeps chunks only when all match, so a
     shard never mixes backends. Batch size, device and replica counts are left out (they
     do not change which states are written).
     """
-    from .io import sha256_file, sha256_json
+    from .generation import recorded_traces_sha256
+    from .io import sha256_json
     from .target_model import model_fingerprint
 
     params = {k: cfg[k] for k in ("backend", "aux_layer_ids", "storage_dtype", "chunk_samples")} | {"max_seq_len": max_seq_len}
-    return sha256_json({"traces": sha256_file(traces_path), "model": model_fingerprint(target), "params": params})
+    return sha256_json({"traces": recorded_traces_sha256(traces_path), "model": model_fingerprint(target), "params": params})
 
 
 def run_extraction_shard(

@@ -186,6 +186,53 @@ def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def file_stat(path: str | os.PathLike) -> dict:
+    """``{"bytes", "mtime_ns", "inode"}`` of ``path``: recorded beside a file's SHA-256 by its
+    producer, so that a reader can tell the file was not written since it was hashed."""
+    st = os.stat(path)
+    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
+
+
+_CHECKED: dict[tuple[str, int, int, int], str] = {}  # (path, bytes, mtime_ns, inode) -> sha256 read in this process
+
+
+def checked_sha256(path: str | os.PathLike, sha256: str | None, stat: dict | None, record: str) -> str:
+    """The SHA-256 a producer recorded for ``path``, after checking that the bytes on disk are those.
+
+    When ``stat`` (the producer's :func:`file_stat`) equals the file's, it was not written since
+    it was hashed and ``sha256`` is returned without reading it; otherwise (a copied, touched or
+    altered file, or a record without ``stat``) the file is hashed once per process and compared.
+
+    Args:
+        path: the file a stage is about to read.
+        sha256: the hex SHA-256 its producer recorded.
+        stat: the :func:`file_stat` recorded with it, or ``None``.
+        record: the file holding the record (named in the error).
+
+    Returns:
+        ``sha256``.
+
+    Raises:
+        InputError: the file's size or SHA-256 differs from the record; the message names the
+            file, both hashes and how to remake it.
+    """
+    now = file_stat(path)
+    if sha256 and stat and all(stat.get(k) == now[k] for k in now):
+        return sha256
+    key = (str(Path(path).resolve()), now["bytes"], now["mtime_ns"], now["inode"])
+    if key not in _CHECKED:
+        _CHECKED[key] = sha256_file(path)
+    digest = _CHECKED[key]
+    if digest != sha256:
+        size = "" if not stat or stat.get("bytes") == now["bytes"] else f" ({now['bytes']} bytes, recorded {stat.get('bytes')})"
+        raise InputError(
+            f"{path}: its bytes differ from what its producer recorded in {record}{size}: sha256 {digest} on disk, "
+            f"{sha256} recorded. The file was altered or damaged after it was written: delete it and run the workflow "
+            "again, which remakes it and everything that read it (`snakemake verify` lists every such file)"
+        )
+    return sha256
+
+
 def sha256_json(obj: Any) -> str:
     """Hex SHA-256 of the canonical JSON encoding of ``obj`` (sorted keys, no spaces)."""
     data = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)

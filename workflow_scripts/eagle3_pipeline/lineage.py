@@ -36,9 +36,11 @@ How each ``sha256`` is obtained (``hash``):
 - ``sha256``: the SHA-256 of the file's bytes. Each file is read once per manifest
   (:class:`Hasher`), however many jobs read it.
 - ``index``: a hidden-state shard's SHA-256 as its ``.index.json`` recorded it when
-  extraction wrote the shard; the shard is not read again (shards run to hundreds of GB),
-  only its size is compared with the index (a shard whose size differs is hashed after
-  all and the ``shard_index`` check fails). ``snakemake verify`` re-hashes the shards.
+  extraction wrote the shard, used only while the shard's size, mtime and inode equal the
+  ``stat`` recorded with it (not written since; shards run to hundreds of GB). Otherwise the
+  shard is hashed (``sha256``) and, when its bytes differ from the record, the
+  ``shard_index`` check fails: the manifest never lists a hash nobody computed for the bytes
+  on disk. ``snakemake verify`` re-hashes every shard.
 - ``directory``: SHA-256 over one line ``<relative path>\\0<bytes>\\0<sha256>\\n`` per file,
   sorted by path, dot-files left out (Snakemake's ``.snakemake_timestamp``): what
   :func:`eagle3_pipeline.target_model.model_fingerprint` gives without its size limit.
@@ -66,7 +68,7 @@ from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from .io import directory_digest, read_json, sha256_file, sha256_json, write_json_atomic
+from .io import directory_digest, file_stat, read_json, sha256_file, sha256_json, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +189,9 @@ def target_identity(path: str | os.PathLike, hasher: Hasher, full_weights_limit:
 
 
 def _index_of(shard: Path) -> Path:
-    return shard.with_name(shard.name.replace(".safetensors", ".index.json"))
+    from .hidden_states import shard_index_path
+
+    return shard_index_path(shard)
 
 
 def _describe(path: Path, hasher: Hasher, checks: list[dict]) -> dict:
@@ -201,13 +205,25 @@ def _describe(path: Path, hasher: Hasher, checks: list[dict]) -> dict:
             "hash": "directory",
             "files": files,
         }
-    size = path.stat().st_size
+    now = file_stat(path)
+    size = now["bytes"]
     index = _index_of(path)
     if path.suffix == ".safetensors" and index.is_file():
         m = read_json(index)
-        if m.get("bytes") == size and m.get("sha256"):
+        stat = m.get("stat") or {}
+        if m.get("sha256") and all(stat.get(k) == now[k] for k in now):  # not written since its index hashed it
             return {"kind": "file", "bytes": size, "sha256": m["sha256"], "hash": "index"}
-        checks.append(_check("shard_index", False, f"{path}: {size} bytes, its index says {m.get('bytes')}; hashed the file instead"))
+        digest = hasher.file(path)
+        if digest != m.get("sha256"):
+            checks.append(
+                _check(
+                    "shard_index",
+                    False,
+                    f"{path}: sha256 {digest} ({size} bytes) on disk, its index recorded {m.get('sha256')} ({m.get('bytes')} bytes): "
+                    "altered after extraction; the manifest records the bytes on disk",
+                )
+            )
+        return {"kind": "file", "bytes": size, "sha256": digest, "hash": "sha256"}
     return {"kind": "file", "bytes": size, "sha256": hasher.file(path), "hash": "sha256"}
 
 

@@ -574,13 +574,24 @@ class TrainCheckpoint:
 
 
 def _train_fingerprint(shards: list[str], vocab_dir: str, target_path: str, cfg: dict, seed: int, max_seq_len: int) -> str:
-    """Identity of a training run: shard checksums (from their manifests), vocab, target, settings."""
+    """Identity of a training run: shard checksums (their indexes' records, checked against the bytes
+    on disk: :func:`eagle3_pipeline.io.checked_sha256`), vocab, target, settings.
+
+    Raises:
+        InputError: a shard's bytes differ from its index's record.
+    """
+    from .hidden_states import shard_index_path
+    from .io import checked_sha256
     from .target_model import quick_identity
 
     shard_ids = []
     for p in shards:
-        index = Path(p).with_name(Path(p).name.replace(".safetensors", ".index.json"))
-        shard_ids.append(json.loads(index.read_text())["sha256"] if index.is_file() else sha256_file(p))
+        index = shard_index_path(p)
+        if index.is_file():
+            m = json.loads(index.read_text())
+            shard_ids.append(checked_sha256(p, m.get("sha256"), m.get("stat"), str(index)))
+        else:
+            shard_ids.append(sha256_file(p))
     vocab = [sha256_file(Path(vocab_dir) / f) for f in ("d2t.npy", "t2d.npy")]
     return sha256_json(
         {"shards": shard_ids, "vocab": vocab, "target": quick_identity(target_path), "cfg": cfg, "seed": seed, "max_seq_len": max_seq_len}
@@ -638,6 +649,10 @@ def train(
     device = ctx.device
     world, accum = ctx.world_size, cfg["gradient_accumulation_steps"]
     per_step = world * accum
+    # first: the shards' bytes against their indexes (an altered shard stops here, before any work)
+    fingerprint = _train_fingerprint(
+        shards, vocab_dir, target_path, {**cfg, "world_size": world, "loader_workers": None}, seed, max_seq_len
+    )
     readers = [ShardReader(p) for p in shards]
     layer_ids = readers[0].layer_ids
     for r in readers:
@@ -725,7 +740,7 @@ def train(
     ckpt = TrainCheckpoint(
         Path(metrics_path).parent / ".checkpoint",
         # loader processes do not change the batches: a resume may use another number
-        _train_fingerprint(shards, vocab_dir, target_path, {**cfg, "world_size": world, "loader_workers": None}, seed, max_seq_len),
+        fingerprint,
     )
     state = ckpt.load()
     step, tokens_seen, start_epoch, start_batch = 0, 0, 0, 0

@@ -18,11 +18,12 @@ import json
 import os
 from pathlib import Path
 
+from .generation import traces_summary_path
 from .lineage import Hasher, check_manifest
 
 
 def _check_trace_shard(path: Path, hasher: Hasher) -> list[str]:
-    summary = path.with_name(path.name.replace(".jsonl", ".summary.json"))
+    summary = traces_summary_path(path)
     if not path.is_file():
         return [f"{path}: missing"]
     if not summary.is_file():
@@ -40,9 +41,9 @@ def _check_trace_shard(path: Path, hasher: Hasher) -> list[str]:
 
 
 def _check_hidden_shard(path: Path, hasher: Hasher) -> list[str]:
-    from .hidden_states import ShardReader
+    from .hidden_states import ShardReader, shard_index_path
 
-    index = path.with_name(path.name.replace(".safetensors", ".index.json"))
+    index = shard_index_path(path)
     if not path.is_file():
         return [f"{path}: missing"]
     if not index.is_file():
