@@ -188,3 +188,46 @@ def test_kept_work_names_finished_chunks_and_training_checkpoints(tmp_path):
         f"training checkpoint in {bad} (progress.json unreadable)",
     ]
     assert kept_work(tmp_path / "nothing") == []
+
+
+def test_a_shard_finished_after_its_snakemake_was_killed_is_taken_back_by_the_rerun(
+    tmp_path, traces, target_dir, reference_extraction, monkeypatch
+):
+    """kill -9 of snakemake alone: its job finishes the shard; the rerun deletes the outputs Snakemake marked
+    incomplete, and its job takes the finished shard back from the chunk store instead of extracting again."""
+    import time
+
+    from eagle3_pipeline.hygiene import host_lock
+
+    monkeypatch.setenv("EAGLE3_LOCK_DIR", str(tmp_path / "locks"))
+    head = f"import logging, sys\nsys.path.insert(0, {str(ROOT / 'workflow_scripts')!r})\nlogging.basicConfig(level=logging.INFO)\n"
+    script = head + "if __name__ == '__main__':\n" + textwrap.indent(textwrap.dedent(extract_code(traces, tmp_path, target_dir)), "    ")
+    (tmp_path / "job.py").write_text(script)
+    # a stand-in for snakemake: starts the job, then waits; killed with SIGKILL while the job runs
+    parent = f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, {str(tmp_path / 'job.py')!r}])\ntime.sleep(600)\n"
+    err = tmp_path / "err.txt"
+    with host_lock(), open(err, "w") as f:  # hold the job at its start (its ancestors are recorded by then)
+        snake = subprocess.Popen([sys.executable, "-c", parent], env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=f, cwd=tmp_path)
+        deadline = time.monotonic() + 120
+        while "waiting for the host-wide full-model lock" not in err.read_text():
+            assert snake.poll() is None and time.monotonic() < deadline, err.read_text()[-2000:]
+            time.sleep(0.5)
+        job = next(p for p in psutil.Process(snake.pid).children() if "job.py" in " ".join(p.cmdline()))
+        snake.kill()
+        snake.wait()
+    job.wait(timeout=300)
+    log = err.read_text()
+    assert "the snakemake that started this job has ended" in log, log[-3000:]
+    index = json.loads((tmp_path / "shard-00000.index.json").read_text())
+    partial = tmp_path / ".shard-00000.safetensors.partial"
+    assert (partial / "finished-shard-00000.safetensors").samefile(tmp_path / "shard-00000.safetensors")
+    for name in ("shard-00000.safetensors", "shard-00000.index.json"):  # what the rerun's Snakemake deletes first
+        (tmp_path / name).unlink()
+    r = run_py(extract_code(traces, tmp_path, target_dir), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "taken back from" in r.stderr and "resuming" not in r.stderr
+    assert json.loads((tmp_path / "shard-00000.index.json").read_text()) == index  # the finished job's record, not a new run's
+    got, ref = read_shard(tmp_path / "shard-00000.safetensors"), read_shard(reference_extraction / "shard-00000.safetensors")
+    for a, b in zip(got[1], ref[1], strict=True):
+        assert torch.equal(a, b)
+    assert not partial.exists()

@@ -534,7 +534,7 @@ def run_generation_shard(
     from .hygiene import check_gpus_free, cleanup_stale_processes, host_lock
     from .io import file_stat, read_jsonl, sha256_file, sha256_json, write_json_atomic, write_jsonl_atomic
     from .parallel import replica_stats, run_replicas
-    from .resume import ChunkStore, chunk_ranges, finished_by_another_job, todo_chunks
+    from .resume import ChunkStore, ancestors, chunk_ranges, finished_by_another_job, todo_chunks
     from .runtime import Timer, peak_memory
     from .target_model import model_fingerprint
 
@@ -544,12 +544,14 @@ def run_generation_shard(
     # others; the chunk size is the fingerprint's own (it defines the chunks)
     fp_params = {**params} | {sec: result_settings(params, sec) for sec in ("generation", "vllm")}
     fingerprint = sha256_json({"prompts": sha256_file(prompts_path), "model": model, "params": fp_params, "chunk": chunk_prompts})
+    parents = ancestors()  # this job's snakemake (and any shell between): ChunkStore.finish
     with host_lock(enabled=host_lock_enabled):
         # Chunks are counted only once the lock is ours: the job of an earlier snakemake that
         # was killed alone lives on, holds the lock, and may finish this shard and remove its
         # chunks while this job waits.
         done = finished_by_another_job(out["summary"], [out["traces"], out["rejects"]], fingerprint)
         if done is not None:
+            ChunkStore(out["traces"], fingerprint, ".jsonl").remove()  # the chunks that job kept for a rerun
             return done
         store = ChunkStore(out["traces"], fingerprint, ".jsonl")
         for old in store.dir.glob("replica-*.json"):
@@ -612,6 +614,6 @@ def run_generation_shard(
             | peak_memory()
         )
         write_json_atomic(out["summary"], summary)
-        store.remove()
+        store.finish([], parents)  # all chunks kept when snakemake ended meanwhile: its rerun assembles them, no engine
     logger.info("generation: %s", {k: v for k, v in summary.items() if k != "replicas"})
     return summary

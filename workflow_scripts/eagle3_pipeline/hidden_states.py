@@ -786,9 +786,9 @@ def run_extraction_shard(
 
     from .conventions import resolve_layer_ids
     from .hygiene import check_disk, check_gpus_free, cleanup_stale_processes, hidden_state_bytes, host_lock
-    from .io import read_jsonl
+    from .io import InputError, checked_sha256, read_json, read_jsonl
     from .parallel import replica_stats, run_replicas
-    from .resume import ChunkStore, chunk_ranges, finished_by_another_job, todo_chunks
+    from .resume import ChunkStore, ancestors, chunk_ranges, finished_by_another_job, todo_chunks
     from .runtime import peak_memory
     from .target_model import text_config
 
@@ -802,17 +802,32 @@ def run_extraction_shard(
         need += tokens * len(layer_ids) * 4 if dtype == FP8 else 0  # per-row scales
         check_disk(out_shard, need, what=f"extraction of {traces_path}", override_key="extraction.disk_preflight")
     fingerprint = extraction_fingerprint(traces_path, target, cfg, max_seq_len)
+    parents = ancestors()  # this job's snakemake (and any shell between): ChunkStore.finish
     with host_lock(enabled=host_lock_enabled):
         # Chunks are counted only once the lock is ours: the job of an earlier snakemake that
         # was killed alone lives on, holds the lock, and may finish this shard and remove its
         # chunks while this job waits.
         done = finished_by_another_job(out_index, [out_shard], fingerprint)
         if done is not None:
+            ChunkStore(out_shard, fingerprint, DONE_SUFFIX).remove()  # the links that job kept for a rerun
             return done
         # engines of a killed earlier job may still be writing into the partial shard: end them
         # before counting its done chunks (and before the GPU check below)
         cleanup_stale_processes(Path(out_shard).parents[1] / ".pids")
         store = ChunkStore(out_shard, fingerprint, DONE_SUFFIX)
+        if store.take_finished([out_shard, out_index]):
+            index = read_json(out_index)
+            try:  # the bytes its job recorded (hard links: unchanged unless altered since)
+                checked_sha256(out_shard, index.get("sha256"), index.get("stat"), out_index)
+            except InputError as e:
+                logger.warning("not taking back the kept shard: %s", e)
+                for p in (out_shard, out_index):
+                    Path(p).unlink(missing_ok=True)
+                store.remove()
+                store = ChunkStore(out_shard, fingerprint, DONE_SUFFIX)
+            else:
+                store.remove()
+                return index
         for old in store.dir.glob("replica-*.json"):
             old.unlink()
         layout = {"layer_ids": layer_ids, "aux_layer_ids": aux, "hidden_size": tcfg.hidden_size, "storage_dtype": dtype}
@@ -863,5 +878,5 @@ def run_extraction_shard(
         }
         index |= peak_memory() | {"fingerprint": fingerprint}
         write_json_atomic(out_index, index)
-        store.remove()
+        store.finish([out_shard, out_index], parents)
         return index

@@ -98,6 +98,80 @@ class ChunkStore:
         """Delete the chunk directory (after the final output is written)."""
         shutil.rmtree(self.dir, ignore_errors=True)
 
+    def finish(self, outputs: Sequence[str | os.PathLike], parents: Sequence[tuple[int, str]]) -> None:
+        """End the job: delete the store, or, when the snakemake that started the job has ended
+        (:func:`orphaned`), keep it, with hard links to the finished ``outputs`` (none: the
+        chunks alone, which a rerun assembles again), for the rerun.
+
+        Snakemake killed alone leaves its running job's outputs marked incomplete, and the rerun
+        deletes them before its job starts; that job then takes them back (:meth:`take_finished`)
+        instead of doing the work again.
+        """
+        if not orphaned(parents):
+            self.remove()
+            return
+        for p in outputs:
+            dest = self.dir / f"finished-{Path(p).name}"
+            dest.unlink(missing_ok=True)
+            os.link(p, dest)
+        logger.warning(
+            "the snakemake that started this job has ended: its rerun will delete %s as incomplete; %s kept in %s for that "
+            "rerun, which does not do the work again",
+            self.final_path,
+            "the finished output is" if outputs else "every finished chunk is",
+            self.dir,
+        )
+
+    def take_finished(self, outputs: Sequence[str | os.PathLike]) -> bool:
+        """Put back the outputs a job of this store finished after its snakemake ended (:meth:`finish`).
+
+        The store's fingerprint was checked when it was opened, so they are this job's result.
+
+        Returns:
+            True when every output was kept and is in place again (hard links: same bytes, inode
+            and mtime as their job wrote); False when this job has to do the work.
+        """
+        kept = [self.dir / f"finished-{Path(p).name}" for p in outputs]
+        if not all(k.is_file() for k in kept):
+            return False
+        for k, p in zip(kept, outputs, strict=True):
+            Path(p).unlink(missing_ok=True)
+            os.link(k, p)
+        logger.info("%s: finished by this shard's job after its snakemake ended; taken back from %s", outputs[0], self.dir)
+        return True
+
+
+def _proc_start(pid: int) -> str | None:
+    """The start time of process ``pid`` (``/proc/<pid>/stat`` field 22), or None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def ancestors() -> list[tuple[int, str]]:
+    """``(pid, start time)`` of this process's parent, its parent, ... up to (not including) init:
+    recorded when a job starts, for :func:`orphaned`. Empty where ``/proc`` is not readable."""
+    out, pid = [], os.getppid()
+    while pid > 1:
+        start = _proc_start(pid)
+        if start is None:
+            break
+        out.append((pid, start))
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return out
+
+
+def orphaned(parents: Sequence[tuple[int, str]]) -> bool:
+    """True when a process of ``parents`` (:func:`ancestors` at the job's start) has ended: the
+    snakemake that runs the job, or a shell between them, was killed (a pid reused since has
+    another start time)."""
+    return any(_proc_start(pid) != start for pid, start in parents)
+
 
 def _fault(var: str) -> int | None:
     v = os.environ.get(var)
