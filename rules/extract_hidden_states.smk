@@ -8,7 +8,7 @@ rule extract_hidden_states:
     log:
         f"logs/{RUN}/extract_hidden_states/shard-{{shard}}.log",
     benchmark:
-        f"benchmarks/{RUN}/extract_hidden_states/shard-{{shard}}.tsv"
+        f"{BENCH}/{BENCHMARKS['extract_hidden_states']}"
     conda:
         "../envs/cpu.yaml"
     threads: THREADS

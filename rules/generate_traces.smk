@@ -9,7 +9,7 @@ rule generate_traces:
     log:
         f"logs/{RUN}/generate_traces/shard-{{shard}}.log",
     benchmark:
-        f"benchmarks/{RUN}/generate_traces/shard-{{shard}}.tsv"
+        f"{BENCH}/{BENCHMARKS['generate_traces']}"
     conda:
         "../envs/cpu.yaml"
     threads: THREADS

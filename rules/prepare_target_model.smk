@@ -4,7 +4,7 @@ rule prepare_target_model:
     log:
         "logs/prepare_target_model.log",
     benchmark:
-        "benchmarks/prepare_target_model.tsv"
+        "logs/prepare_target_model.benchmark.tsv"
     conda:
         "../envs/cpu.yaml"
     threads: THREADS

@@ -30,7 +30,7 @@ use rule train_drafter as train_drafter_variant with:
     log:
         f"logs/{RUN}/sweep/{{variant}}/train_drafter.log",
     benchmark:
-        f"benchmarks/{RUN}/sweep/{{variant}}/train_drafter.tsv"
+        f"{BENCH}/sweep/{{variant}}/{BENCHMARKS['train_drafter']}"
     priority: VARIANT_TRAIN_PRIORITY
     params:
         trust_remote_code=config["target"]["trust_remote_code"],
@@ -53,7 +53,7 @@ use rule evaluate_drafter as evaluate_drafter_variant with:
     log:
         f"logs/{RUN}/sweep/{{variant}}/evaluate_drafter.log",
     benchmark:
-        f"benchmarks/{RUN}/sweep/{{variant}}/evaluate_drafter.tsv"
+        f"{BENCH}/sweep/{{variant}}/{BENCHMARKS['evaluate_drafter']}"
     priority: VARIANT_EVAL_PRIORITY
     params:
         trust_remote_code=config["target"]["trust_remote_code"],

@@ -11,7 +11,7 @@ rule train_drafter:
     log:
         f"logs/{RUN}/train_drafter.log",
     benchmark:
-        f"benchmarks/{RUN}/train_drafter.tsv"
+        f"{BENCH}/{BENCHMARKS['train_drafter']}"
     priority: RUN_PRIORITY
     conda:
         "../envs/cpu.yaml"

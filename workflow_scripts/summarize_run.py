@@ -4,7 +4,7 @@ import logging
 from pathlib import Path
 
 from eagle3_pipeline.io import write_json_atomic
-from eagle3_pipeline.plan import estimate_vs_actual, measured, start_plans
+from eagle3_pipeline.plan import benchmark_dir, estimate_vs_actual, measured, start_plans
 from eagle3_pipeline.runtime import start_log
 from eagle3_pipeline.summary import summarize
 
@@ -18,7 +18,7 @@ if __name__ == "__main__":
     # each full-model/training stage's tokens/s and model load seconds, as its outputs recorded them
     s["throughput"] = measured(run_dir)
     # the plans the run started with (results/<run>/plans/, one per start or resume), against what happened
-    s["estimate_vs_actual"] = estimate_vs_actual(start_plans(run_dir), run_dir, Path("benchmarks") / run_dir.name)
+    s["estimate_vs_actual"] = estimate_vs_actual(start_plans(run_dir), run_dir, benchmark_dir(run_dir.name))
     write_json_atomic(sm.output[0], s)
     log = logging.getLogger("summarize_run")
     log.info("prompts: %d kept of %d read, rejects %s", s["prompts"]["kept"], s["prompts"]["read"], s["prompts"]["rejects_by_reason"])

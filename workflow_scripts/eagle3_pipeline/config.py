@@ -14,10 +14,6 @@ import yaml
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
 
 
-#: Run names that would collide with the repository's own folders (benchmarks/results/).
-RESERVED_RUN_NAMES = ("results", ".", "..")
-
-
 class ConfigError(ValueError):
     """The configuration does not match the schema; the message lists every problem."""
 
@@ -126,7 +122,7 @@ def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) 
     Raises:
         ConfigError: listing each violation as ``<key path>: <message>``, e.g.
             ``training.lrr: Additional properties are not allowed ('lrr' was unexpected)``,
-            or a reserved run name, or ``vllm.replicas_per_gpu`` > 1 with a multi-GPU engine, or
+            or ``vllm.replicas_per_gpu`` > 1 with a multi-GPU engine, or
             ``generation.answers_per_prompt`` > 1 with greedy decoding (temperature 0).
     """
     schema = load_schema(schema_path)
@@ -140,11 +136,6 @@ def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) 
             where = ".".join(str(p) for p in e.absolute_path) or "<top level>"
             lines.append(f"  {where}: {e.message}")
         raise ConfigError("invalid configuration (see config/schema.yaml):\n" + "\n".join(lines))
-    if cfg["run"] in RESERVED_RUN_NAMES:
-        raise ConfigError(
-            f"invalid configuration: run: {cfg['run']!r} is reserved (benchmarks/{cfg['run']}/ would mix with "
-            "benchmarks/results/, which holds the recorded figures); choose another run name"
-        )
     g = cfg["generation"]
     if g["answers_per_prompt"] > 1 and g["temperature"] == 0:
         raise ConfigError(

@@ -644,7 +644,14 @@ def _bench_seconds(path: Path) -> float | None:
         return None
 
 
-#: Each stage's Snakemake benchmark file under ``benchmarks/<run>/`` (the rules' ``benchmark:``).
+def benchmark_dir(run: str) -> str:
+    """Where Snakemake writes the per-job benchmark files of run ``run`` (the rules'
+    ``benchmark:``): ``logs/<run>/benchmarks``, beside the jobs' logs."""
+    return f"logs/{run}/benchmarks"
+
+
+#: Each stage's Snakemake benchmark file under :func:`benchmark_dir` (the rules' ``benchmark:``;
+#: ``{shard}`` is the rule's wildcard; a sweep variant's under ``sweep/<variant>/``).
 BENCHMARKS = {
     "generate_traces": "generate_traces/shard-{shard}.tsv",
     "extract_hidden_states": "extract_hidden_states/shard-{shard}.tsv",
@@ -655,7 +662,7 @@ BENCHMARKS = {
 
 def job_seconds(run_dir: str | Path, bench_dir: str | Path | None, stage: str, wildcards: dict) -> float | None:
     """Wall seconds one job of ``stage`` took: from its Snakemake benchmark file in ``bench_dir``
-    (``benchmarks/<run>``: the whole job, start-up and teardown included) when it exists, else
+    (:func:`benchmark_dir`: the whole job, start-up and teardown included) when it exists, else
     from its output under ``run_dir`` (model load + work seconds). None when neither has them.
 
     Raises:
@@ -683,7 +690,7 @@ def estimate_vs_actual(plans: list[str | Path], run_dir: str | Path, bench_dir: 
             estimate comes from the latest plan in which it was pending: a resumed run's plan
             leaves out the stages finished before the resume, whose estimates stay those of
             the plan they ran under.
-        run_dir, bench_dir: ``results/<run>`` and ``benchmarks/<run>`` (:func:`job_seconds`).
+        run_dir, bench_dir: ``results/<run>`` and :func:`benchmark_dir` (:func:`job_seconds`).
 
     Returns:
         Rows ``{stage, estimated_seconds, actual_seconds, actual_over_estimate, source, plan}``
