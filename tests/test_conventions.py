@@ -39,3 +39,35 @@ def test_loss_mask_boundary():
 def test_loss_mask_empty_completion_is_an_error():
     with pytest.raises(ValueError, match="sum to 0"):
         loss_mask(5, 0)
+
+
+@pytest.mark.parametrize(
+    "family",
+    ["smollm2", "qwen3", "gemma3_text", "mistral", "qwen3_moe", "deepseek_v3"],
+)
+def test_the_draft_decoder_config_is_speculators_default_draft(tmp_path, target_dir, family):
+    """Our draft layer config equals the one ``speculators train`` builds by default (its CLI helper, not
+    public API: compared here while it exists) for the embedded target and small configs of other families."""
+    import warnings
+
+    from transformers import AutoConfig
+
+    from eagle3_pipeline.training import draft_decoder_config
+
+    reference = pytest.importorskip("speculators.train.cli").create_transformer_layer_config
+    if family == "smollm2":
+        path = str(target_dir)
+    else:
+        small = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000}
+        small |= {
+            "deepseek_v3": {"q_lora_rank": 64, "kv_lora_rank": 32},
+            "gemma3_text": {"head_dim": 96},  # a rope per layer type
+            "mistral": {"num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 64},  # heads from head_dim
+        }.get(family, {})
+        AutoConfig.for_model(family, **small).save_pretrained(tmp_path)
+        path = str(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = reference(path, 2, "llama", None, 4096, [0, 1]).to_dict()
+    got = draft_decoder_config(path, 2, 4096).to_dict()
+    assert got == want

@@ -1,7 +1,8 @@
 """train_drafter: train speculators' ``Eagle3DraftModel`` from hidden-state shards.
 
-Everything model-side is speculators' own: the draft decoder config
-(``create_transformer_layer_config``), the model (``Eagle3DraftModel.from_training_args``,
+Everything model-side is speculators' own but the draft decoder's config
+(:func:`draft_decoder_config`, speculators' default shape built from transformers' public
+config API), the model (``Eagle3DraftModel.from_training_args``,
 which loads the target's embeddings, final norm and the draft-vocab rows of its
 ``lm_head``), the token shift (``shift_batch``), packing (``MultipackDistributedBatchSamplerV2``
 + ``CollateFn``), the loss (``resolve_loss_config``) and metrics, the optimizers
@@ -257,13 +258,88 @@ def _load_full_state(model, optimizers, state: dict, ctx: DistContext) -> None:
         o.load_state_dict(sd)
 
 
+def draft_decoder_config(target_path: str, num_layers: int, max_seq_len: int, trust_remote_code: bool = False):
+    """The draft decoder of a fresh drafter: ``num_layers`` full-attention Llama layers shaped after the target.
+
+    The shape is speculators 0.9's default EAGLE-3 draft (``speculators train`` without
+    ``--draft-config``, draft architecture ``llama``): the target's (text) hidden size, heads
+    and KV heads (heads re-derived from ``head_dim`` when the hidden size is not a multiple of
+    the head count), activation, norm epsilon, initializer range, positions and rope settings
+    (a per-layer-type rope collapsed to one, preferring the sliding-attention one; legacy
+    ``type``, ``mrope_interleaved`` and ``partial_rotary_factor`` dropped), untied embeddings,
+    and the target's dense MLP width (3 x hidden size for an MoE target without one).
+
+    Args:
+        target_path: the target model directory.
+        num_layers: draft decoder layers (``training.draft_layers``).
+        max_seq_len: the config's ``sliding_window`` (unused: every layer has full attention,
+            which vLLM honours).
+        trust_remote_code: passed to ``AutoConfig``.
+
+    Returns:
+        a ``transformers.LlamaConfig``.
+
+    Raises:
+        InputError: the target has no activation, inconsistent attention heads, or a
+            multimodal rope (``mrope_section``), which this drafter does not support.
+    """
+    from copy import deepcopy
+
+    from transformers import AutoConfig, LlamaConfig
+
+    v = AutoConfig.from_pretrained(target_path, trust_remote_code=trust_remote_code)
+    v = getattr(v, "text_config", None) or v
+    if getattr(v, "is_heterogeneous", False) and hasattr(v, "allow_global_per_layer_attribute_access"):
+        v.allow_global_per_layer_attribute_access = True  # per-layer attributes: their global values
+    act = getattr(v, "hidden_act", None) or getattr(v, "hidden_activation", None)
+    if act is None:
+        raise InputError(f"{target_path}: its config has neither hidden_act nor hidden_activation; cannot shape a draft layer")
+    hidden, heads, kv = v.hidden_size, v.num_attention_heads, v.num_key_value_heads
+    head_dim = getattr(v, "head_dim", None)
+    if head_dim and hidden % heads and hidden % head_dim == 0:
+        heads = hidden // head_dim
+        kv = kv if heads % kv == 0 else heads
+    if kv and heads % kv:
+        raise InputError(f"{target_path}: {heads} attention heads are not a multiple of {kv} KV heads; cannot shape a draft layer")
+    dense = getattr(v, "intermediate_size", None)
+    config = LlamaConfig(
+        vocab_size=v.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=int(dense) if dense is not None else 3 * int(hidden),
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        hidden_act=act,
+        max_position_embeddings=v.max_position_embeddings,
+        initializer_range=v.initializer_range,
+        rms_norm_eps=v.rms_norm_eps,
+        head_dim=head_dim,
+        tie_word_embeddings=False,
+        sliding_window=max_seq_len,
+        use_sliding_window=False,
+        layer_types=["full_attention"] * num_layers,
+    )
+    rope = deepcopy(getattr(v, "rope_parameters", None))
+    if isinstance(rope, dict) and "rope_theta" not in rope:  # {"full_attention": {...}, "sliding_attention": {...}}
+        sub = rope.get("sliding_attention") or rope.get("full_attention") or {}
+        rope = {"rope_type": "default", "rope_theta": 10000.0} | (dict(sub) if isinstance(sub, dict) else {})
+    if isinstance(rope, dict):
+        if "mrope_section" in rope:
+            raise InputError(f"{target_path}: a multimodal rope (mrope_section) target is not supported for the draft layer")
+        for key in ("type", "mrope_interleaved", "partial_rotary_factor"):
+            rope.pop(key, None)
+    if hasattr(v, "rope_parameters"):
+        config.rope_parameters = rope
+    return config
+
+
 def build_drafter(
     target_path: str, d2t: np.ndarray, t2d: np.ndarray, aux_layer_ids: list[int], cfg: dict, device: str, trust_remote_code: bool = False
 ):
     """The ``Eagle3DraftModel`` to train, by speculators' own builders.
 
     Fresh: the draft decoder is a Llama layer stack shaped after the target
-    (``create_transformer_layer_config``) with ``cfg["draft_layers"]`` layers, all with
+    (:func:`draft_decoder_config`) with ``cfg["draft_layers"]`` layers, all with
     full attention (vLLM honours it; no sliding window to mismatch); embeddings, final
     norm and the draft-vocab rows of ``lm_head`` come from the target.
 
@@ -275,7 +351,6 @@ def build_drafter(
             this run's (re-extract with its layer ids, or start fresh).
     """
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-    from speculators.train.cli import create_transformer_layer_config
 
     attn = cfg["attn_implementation"]
     if attn == "auto":
@@ -294,16 +369,7 @@ def build_drafter(
         model = Eagle3DraftModel.from_pretrained(cfg["init_from"], config=config, t2d=torch.from_numpy(t2d), d2t=torch.from_numpy(d2t))
         return model.to(device=device, dtype=torch.float32)
 
-    n = cfg["draft_layers"]
-    tl_config = create_transformer_layer_config(
-        verifier_name_or_path=target_path,
-        num_layers=n,
-        draft_arch="llama",
-        hidden_act=None,
-        sliding_window=cfg["max_seq_len_hint"],
-        full_attention_indices=list(range(n)),
-        trust_remote_code=trust_remote_code,
-    )
+    tl_config = draft_decoder_config(target_path, cfg["draft_layers"], cfg["max_seq_len_hint"], trust_remote_code)
     model = Eagle3DraftModel.from_training_args(
         verifier_config=tl_config,
         t2d=torch.from_numpy(t2d),
