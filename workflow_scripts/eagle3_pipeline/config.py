@@ -150,3 +150,62 @@ def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) 
             f"{v['tensor_parallel_size'] * v['pipeline_parallel_size']} GPUs; set replicas_per_gpu to 1"
         )
     return cfg
+
+
+def _markdown_cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def schema_reference(schema: dict | None = None) -> str:
+    """config/README.md: every key of ``config/schema.yaml`` (default: the project's) as Markdown.
+
+    One table per top-level section, one row per key (nested objects flattened to
+    ``section.key.sub``): type, default (JSON), whether it changes results (``x-result``), and
+    the schema's description. tests/test_config.py keeps config/README.md equal to this;
+    ``make config-docs`` rewrites it.
+    """
+    import json
+
+    schema = schema or load_schema()
+    out = [
+        "# Configuration keys",
+        "",
+        "Generated from `config/schema.yaml` by `make config-docs` (a test keeps the two in sync): edit the",
+        "schema's descriptions, not this file. " + _markdown_cell(schema.get("description", "")),
+        "",
+    ]
+    header = ["| key | type | default | changes results | description |", "|---|---|---|---|---|"]
+
+    def rows(props: dict, prefix: str) -> list[str]:
+        lines = []
+        for name, sub in props.items():
+            key = f"{prefix}{name}"
+            kind = sub.get("type", "enum" if "enum" in sub else "")
+            kind = " or ".join(kind) if isinstance(kind, list) else kind
+            if "enum" in sub:
+                kind += ": " + ", ".join(json.dumps(v) for v in sub["enum"])
+            default = json.dumps(sub["default"]) if "default" in sub else ""
+            result = "no" if sub.get("x-result") is False else "yes"
+            if sub.get("type") == "object" and "properties" in sub:
+                lines.append(f"| `{key}` | object | | {result} | {_markdown_cell(sub.get('description', ''))} |")
+                lines += rows(sub["properties"], key + ".")
+            else:
+                lines.append(
+                    f"| `{key}` | {_markdown_cell(kind)} | `{_markdown_cell(default)}` | {result} | "
+                    f"{_markdown_cell(sub.get('description', ''))} |"
+                )
+        return lines
+
+    sections = {k: v for k, v in schema["properties"].items() if "properties" in v}
+    scalars = {k: v for k, v in schema["properties"].items() if k not in sections}
+    out += ["## Top-level keys", "", *header, *rows(scalars, ""), ""]
+    for section, sub in sections.items():
+        out += [f"## `{section}`", ""]
+        if sub.get("description"):
+            out += [_markdown_cell(sub["description"]), ""]
+        out += [*header, *rows(sub["properties"], section + "."), ""]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(schema_reference(), end="")
