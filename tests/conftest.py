@@ -43,7 +43,12 @@ def e2e_run(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
-    """A test that uses the end-to-end run is an ``e2e`` test (``-m "not e2e"`` leaves it out), marked or not."""
+    """Test tiers by what a test uses, marked or not: the end-to-end run makes an ``e2e`` test, the real
+    target (``target_dir``, and every fixture built on it: ``tokenizer``, ...) a ``model`` test. The rest
+    not marked ``workflow`` is the unit tier (``make test-fast``)."""
     for item in items:
-        if "e2e_run" in getattr(item, "fixturenames", ()):
+        names = getattr(item, "fixturenames", ())
+        if "e2e_run" in names:
             item.add_marker(pytest.mark.e2e)
+        if "target_dir" in names:
+            item.add_marker(pytest.mark.model)

@@ -8,17 +8,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The embedded default, reduced: 12 prompts in 2 shards, 40-token answers.
-SMALL = {
-    "run": "e2e",
-    "prompts": {"max_prompts": 12, "num_shards": 2},
-    "generation": {"max_tokens": 40},
-    "vllm": {"cpu_kvcache_space_gib": 2},
-    "vocab": {"draft_vocab_size": 2048},
-    "extraction": {"batch_tokens": 1},
-    "training": {"epochs": 2, "pack_tokens": 1024, "val_fraction": 0.2, "log_every_steps": 1},
-    "evaluation": {"max_prompts": 4, "max_tokens": 32, "speedup": {"concurrency": []}},
-}
+#: The embedded default, reduced (.test/config.yaml: 12 prompts in 2 shards, 40-token answers),
+#: a configuration a user can run too.
+SMALL = yaml.safe_load((ROOT / ".test" / "config.yaml").read_text())
 # The local end-to-end run also measures the speedup (a second engine, the target alone): once,
 # not in every run of the reduced config.
 SMALL_WITH_SPEEDUP = SMALL | {"evaluation": SMALL["evaluation"] | {"speedup": {"concurrency": [4]}}}

@@ -365,6 +365,7 @@ def test_malformed_measurements_are_left_out_not_fatal(tmp_path):
     assert plan["generate_traces"].source.startswith("reference") and plan["train_drafter"].source.startswith("reference")
 
 
+@pytest.mark.workflow
 def test_snakemake_plan_writes_the_plan_without_running_anything(tmp_path):
     wd = tmp_path / "wd"
     r = snakemake_cli(

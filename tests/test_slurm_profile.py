@@ -8,10 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from e2e_support import make_workdir
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "profiles" / "slurm"
+
+
+pytestmark = pytest.mark.workflow
 
 
 def dry_run(wd: Path, *args: str) -> subprocess.CompletedProcess:

@@ -100,6 +100,7 @@ SWEEP = {
 }
 
 
+@pytest.mark.workflow
 def test_the_dag_reuses_the_run_vocab_and_drafter_where_a_variant_leaves_them(tmp_path):
     cfg = make_workdir(tmp_path, SMALL | {"sweep": {"variants": SWEEP}})
     r = snakemake_cli(tmp_path, cfg, "-n", "--cores", "2")

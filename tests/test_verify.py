@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import yaml
 from e2e_support import snakemake_cli
@@ -39,6 +40,7 @@ def test_intact_run_verifies(tmp_path):
     assert summary_lines(absent, "m.json")[1] == "verify: no run manifest m.json yet (written at the end of a run); shards only"
 
 
+@pytest.mark.workflow
 def test_snakemake_verify_prints_its_summary_on_the_console(tmp_path):
     """Before, the script sent everything to logs/<run>/verify.log: a passing verify printed nothing."""
     wd = tmp_path / "wd"

@@ -6,9 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+pytestmark = pytest.mark.workflow
 
 
 def snakemake(*args, cwd=ROOT):
