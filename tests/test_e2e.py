@@ -394,7 +394,7 @@ def test_dry_run_is_clean_and_changes_rerun_exactly_the_dependents(run):
 
 
 def test_traces_copied_to_a_fresh_checkout_are_reused_after_touch(run, tmp_path):
-    """README "Traces from another machine": copied prompts and traces, marked with --touch,
+    """docs/interrupted-runs.md "Traces from another machine": copied prompts and traces, marked with --touch,
     are not regenerated; the stages after them are still pending."""
     wd, cfg, res = run
     new = tmp_path / "moved"

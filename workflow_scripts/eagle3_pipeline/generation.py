@@ -194,7 +194,7 @@ def traces_summary_path(traces_path: str | os.PathLike) -> Path:
 def recorded_traces_sha256(traces_path: str | os.PathLike) -> str:
     """The SHA-256 of a trace shard, checked against the one generation recorded in its summary
     (:func:`eagle3_pipeline.io.checked_sha256`); hashed without a check when there is no summary
-    (traces brought from another machine: README "Traces from another machine").
+    (traces brought from another machine: docs/interrupted-runs.md "Traces from another machine").
 
     Raises:
         InputError: the shard's bytes differ from the recorded ones.

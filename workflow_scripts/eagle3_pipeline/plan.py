@@ -344,7 +344,7 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
     ):
         tps, load, source = rate(stage, ref_key, s)
         if stage == "train_drafter" and platform == "cpu_fp32" and cfg["training"]["optimizer"] == "muon":
-            # README "Compute dtypes": torch's Muon keeps its Newton-Schulz steps in bf16
+            # docs/gpus-and-nodes.md "Compute dtypes": torch's Muon keeps its Newton-Schulz steps in bf16
             source += (
                 "; Muon's bf16 steps are emulated on this CPU (2/3 of a step on the reference's): training.optimizer adamw avoids them"
             )
