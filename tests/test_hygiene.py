@@ -147,3 +147,35 @@ def test_broken_nvidia_smi_means_no_gpu_check(tmp_path, monkeypatch):
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{smi.parent}:{os.environ['PATH']}")
     assert gpu_processes() == []
+
+
+@pytest.mark.parametrize("interrupt", [True, False])
+def test_a_ctrl_c_ends_a_job_with_one_line_not_tracebacks(tmp_path, interrupt):
+    """The engine gets the same SIGINT and dies first; what the job then raises (vLLM's EngineDeadError,
+    RuntimeError: cancelled) is reported in one line. Without a Ctrl-C an error keeps its traceback."""
+    code = f"""
+    import os, signal, sys, time
+    sys.path.insert(0, {str(Path(__file__).resolve().parents[1] / "workflow_scripts")!r})
+    from eagle3_pipeline.runtime import start_log
+    start_log(None)
+
+    def engine_step():
+        try:
+            if {interrupt!r}:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)
+            raise ValueError("a real error")
+        except KeyboardInterrupt:
+            raise RuntimeError("cancelled")
+
+    engine_step()
+    """
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    if interrupt:
+        assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
+        assert (
+            "interrupted (Ctrl-C / SIGINT): stopped (RuntimeError); finished chunks and checkpoints are kept, rerun to resume" in r.stderr
+        )
+    else:
+        assert "Traceback" in r.stderr and "ValueError: a real error" in r.stderr

@@ -165,10 +165,16 @@ def _replica_main(worker: Callable, rank: int, devices: str | None, queue, start
     _START_LOCK, _SHARING = start_lock, sharing
     if devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = devices
-    from .runtime import start_replica_log
+    from .runtime import interrupted, interrupted_line, start_replica_log
 
     start_replica_log(rank)
-    worker(rank, _queue_iter(queue))
+    try:
+        worker(rank, _queue_iter(queue))
+    except BaseException as e:  # multiprocessing prints a traceback itself, not through sys.excepthook
+        if not interrupted():
+            raise
+        logger.error(interrupted_line(e))
+        raise SystemExit(130) from None
 
 
 def run_replicas(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterable
@@ -17,6 +18,43 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 logger = logging.getLogger("eagle3_pipeline")
+
+_interrupted = False  # set by the SIGINT handler of handle_interrupts
+
+
+def _on_sigint(signum, frame) -> None:
+    global _interrupted
+    _interrupted = True
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: Python's default
+    raise KeyboardInterrupt
+
+
+def interrupted() -> bool:
+    """Whether this process received SIGINT (Ctrl-C) since :func:`handle_interrupts`."""
+    return _interrupted
+
+
+def interrupted_line(exc: BaseException) -> str:
+    """The one line a job's log gets instead of tracebacks when a Ctrl-C stops it (its vLLM engine,
+    which got the same signal, may have died first: ``EngineDeadError``, ``RuntimeError: cancelled``)."""
+    return f"interrupted (Ctrl-C / SIGINT): stopped ({type(exc).__name__}); finished chunks and checkpoints are kept, rerun to resume"
+
+
+def _excepthook(kind, value, tb) -> None:
+    if _interrupted:
+        logger.error(interrupted_line(value))
+        return
+    sys.__excepthook__(kind, value, tb)
+
+
+def handle_interrupts() -> None:
+    """A Ctrl-C ends this job with one log line (:func:`interrupted_line`), not the tracebacks of
+    whatever was running: the SIGINT handler records it, and an exception that ends the process
+    after it is reported in one line. Called by :func:`start_log` and :func:`start_replica_log`."""
+    global _interrupted
+    _interrupted = False
+    signal.signal(signal.SIGINT, _on_sigint)
+    sys.excepthook = _excepthook
 
 
 def start_log(log_path: str | os.PathLike | None) -> None:
@@ -41,6 +79,7 @@ def start_log(log_path: str | os.PathLike | None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         force=True,
     )
+    handle_interrupts()
 
 
 def start_replica_log(rank: int) -> None:
@@ -55,6 +94,7 @@ def start_replica_log(rank: int) -> None:
         format=f"%(asctime)s %(levelname)s [replica {rank}] %(name)s: %(message)s",
         force=True,
     )
+    handle_interrupts()
 
 
 class _LineWriter:
