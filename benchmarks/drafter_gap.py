@@ -76,8 +76,8 @@ def target_dir(cfg: dict) -> str:
 
 def validation_traces(run: Path, val_fraction: float, limit: int) -> list[dict]:
     """The first ``limit`` validation samples (training's split) as their trace records."""
-    from eagle3_pipeline.hidden_states import ShardReader
     from eagle3_pipeline.io import read_jsonl
+    from eagle3_pipeline.shards import ShardReader
     from eagle3_pipeline.training import split_items
 
     readers = [ShardReader(p) for p in sorted((run / "hidden_states").glob("shard-?????.safetensors"))]
@@ -186,7 +186,8 @@ def tensors_job(job: dict) -> dict:
 
     from eagle3_pipeline.conventions import loss_mask
     from eagle3_pipeline.engine import build_llm, shutdown_llm
-    from eagle3_pipeline.hidden_states import Sample, extract_hf, load_hf_target
+    from eagle3_pipeline.hf_backend import extract_hf, load_hf_target
+    from eagle3_pipeline.shards import Sample
     from eagle3_pipeline.training import load_drafter, resolve_device, training_dtypes
 
     events: list[tuple[str, dict]] = []
@@ -381,7 +382,8 @@ def same_tokens_shard(
     import torch
 
     from eagle3_pipeline.conventions import loss_mask
-    from eagle3_pipeline.hidden_states import FP8, Sample, ShardReader, extract_hf, load_hf_target, write_shard
+    from eagle3_pipeline.hf_backend import extract_hf, load_hf_target
+    from eagle3_pipeline.shards import FP8, Sample, ShardReader, write_shard
 
     r = ShardReader(stored[0])
     samples = [

@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "workflow_scripts"))
 
 from eagle3_pipeline.config import validate_config  # noqa: E402
-from eagle3_pipeline.hidden_states import ShardReader, run_extraction_shard  # noqa: E402
+from eagle3_pipeline.hidden_states import run_extraction_shard  # noqa: E402
+from eagle3_pipeline.shards import ShardReader  # noqa: E402
 from eagle3_pipeline.training import train  # noqa: E402
 
 

@@ -23,8 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow_scripts")
 
 from eagle3_pipeline.config import validate_config  # noqa: E402
 from eagle3_pipeline.conventions import loss_mask, resolve_layer_ids  # noqa: E402
-from eagle3_pipeline.hidden_states import Sample, extract_hf, load_hf_target, write_shard  # noqa: E402
+from eagle3_pipeline.hf_backend import extract_hf, load_hf_target
 from eagle3_pipeline.io import save_npy_atomic  # noqa: E402
+from eagle3_pipeline.shards import (
+    Sample,
+    write_shard,  # noqa: E402
+)
 from eagle3_pipeline.training import train  # noqa: E402
 from eagle3_pipeline.vocab import build_mapping, count_supervised_tokens  # noqa: E402
 

@@ -26,7 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "workflow_scripts"))
 
 from eagle3_pipeline.conventions import loss_mask  # noqa: E402
-from eagle3_pipeline.hidden_states import Sample, ShardReader, write_shard  # noqa: E402
+from eagle3_pipeline.shards import (  # noqa: E402
+    Sample,
+    ShardReader,
+    write_shard,
+)
 from eagle3_pipeline.training import ShardDataset  # noqa: E402
 
 LAYERS = [2, 8, 15, 22, 27, 30]

@@ -226,7 +226,7 @@ def _random_traces(path: Path, prompts: str | None, config_dir: str, n: int = 30
 
 
 def _shard_diff(work: Path, a: str, b: str) -> dict:
-    from eagle3_pipeline.hidden_states import read_shard
+    from eagle3_pipeline.shards import read_shard
 
     sa, ha, *_ = read_shard(work / f"hs-{a}" / "shard-00000.safetensors")
     sb, hb, *_ = read_shard(work / f"hs-{b}" / "shard-00000.safetensors")

@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT / "workflow_scripts"))
 from eagle3_pipeline.config import validate_config  # noqa: E402
 from eagle3_pipeline.engine import build_llm, shutdown_llm  # noqa: E402
 from eagle3_pipeline.evaluation import eval_prompt_ids, run_eval  # noqa: E402
-from eagle3_pipeline.hidden_states import ShardReader  # noqa: E402
 from eagle3_pipeline.io import read_json, read_jsonl  # noqa: E402
+from eagle3_pipeline.shards import ShardReader  # noqa: E402
 from eagle3_pipeline.target_model import load_tokenizer  # noqa: E402
 from eagle3_pipeline.training import split_items  # noqa: E402
 

@@ -39,7 +39,7 @@ def export_for_speculators(shards: list[str], val_fraction: float, aux_layer_ids
     """Write ``shards`` as a ``speculators train --data-path`` directory at ``out`` (replaced).
 
     Args:
-        shards: hidden-state shards (:class:`eagle3_pipeline.hidden_states.ShardReader`).
+        shards: hidden-state shards (:class:`eagle3_pipeline.shards.ShardReader`).
         val_fraction: ``training.val_fraction``; the samples
             :func:`eagle3_pipeline.training.split_items` holds out are written last.
         aux_layer_ids: ``training.aux_layer_ids`` (``None``: every stored aux layer).
@@ -59,7 +59,7 @@ def export_for_speculators(shards: list[str], val_fraction: float, aux_layer_ids
     from safetensors.torch import save_file
 
     from eagle3_pipeline.conventions import drafter_aux_columns
-    from eagle3_pipeline.hidden_states import ShardReader
+    from eagle3_pipeline.shards import ShardReader
     from eagle3_pipeline.training import split_items
 
     readers = [ShardReader(p) for p in shards]

@@ -141,8 +141,8 @@ def _params() -> int:
 
 
 def _samples(work: Path):
-    from eagle3_pipeline.hidden_states import sample_from_trace
     from eagle3_pipeline.io import read_jsonl
+    from eagle3_pipeline.shards import sample_from_trace
 
     return [sample_from_trace(t, MAX_SEQ_LEN) for t in read_jsonl(work / "traces.jsonl")]
 
@@ -222,7 +222,7 @@ def m_hf_batch1(args) -> dict:
     """transformers sdpa, one sample per forward, states captured but not copied or written."""
     import torch
 
-    from eagle3_pipeline.hidden_states import LayerCapture, load_hf_target
+    from eagle3_pipeline.hf_backend import LayerCapture, load_hf_target
 
     work = Path(args.work)
     samples = _samples(work)
@@ -323,7 +323,7 @@ def m_speculators(args) -> dict:
     res = {}
     ours = work / "hs-vllm" / "shard-00000.safetensors"
     if ours.exists():  # same values as our vllm backend? (sample 0, layers reordered to ours)
-        from eagle3_pipeline.hidden_states import ShardReader
+        from eagle3_pipeline.shards import ShardReader
 
         r = ShardReader(ours)
         theirs = first["hidden_states"].float()
@@ -345,7 +345,7 @@ def parity(args) -> dict:
 
     import torch
 
-    from eagle3_pipeline.hidden_states import ShardReader
+    from eagle3_pipeline.shards import ShardReader
 
     work = Path(args.work)
     a, b = ShardReader(work / "hs-hf" / "shard-00000.safetensors"), ShardReader(work / "hs-vllm" / "shard-00000.safetensors")

@@ -8,8 +8,8 @@ import torch
 
 from eagle3_pipeline.config import ConfigError, check_against_target, validate_config
 from eagle3_pipeline.conventions import drafter_aux_columns, loss_mask, resolve_layer_ids
-from eagle3_pipeline.hidden_states import Sample, ShardReader, write_shard
 from eagle3_pipeline.io import save_npy_atomic
+from eagle3_pipeline.shards import Sample, ShardReader, write_shard
 from eagle3_pipeline.training import ShardDataset, split_items, train
 from eagle3_pipeline.vocab import build_mapping
 

@@ -15,8 +15,9 @@ import torch
 
 from eagle3_pipeline.conventions import loss_mask, resolve_layer_ids
 from eagle3_pipeline.generation import make_reasoning_splitter, render_prompt_ids, split_reasoning
-from eagle3_pipeline.hidden_states import ShardReader, extract_hf, load_hf_target, sample_from_trace, write_shard
+from eagle3_pipeline.hf_backend import extract_hf, load_hf_target
 from eagle3_pipeline.io import InputError
+from eagle3_pipeline.shards import ShardReader, sample_from_trace, write_shard
 
 ROOT = Path(__file__).resolve().parents[1]
 IM_END = "<|im_end|>"
@@ -74,7 +75,7 @@ def test_first_and_last_supervised_positions_follow_shift_batch(tmp_path):
     from eagle3_pipeline.training import ShardDataset
 
     n_p, n_c, h = 5, 4, 8
-    from eagle3_pipeline.hidden_states import Sample
+    from eagle3_pipeline.shards import Sample
 
     ids = np.arange(100, 100 + n_p + n_c)
     smp = Sample("a", ids, loss_mask(n_p, n_c))
@@ -255,7 +256,7 @@ def test_warm_start_keeps_the_drafters_mapping_and_weights(tmp_path, target_dir)
 
 
 def test_shared_prefixes_and_long_sequences_match_batch_size_one(target_dir, tokenizer):
-    from eagle3_pipeline.hidden_states import Sample
+    from eagle3_pipeline.shards import Sample
 
     model = load_hf_target(str(target_dir), "cpu")
     base = render_prompt_ids(tokenizer, [{"role": "user", "content": "Tell me about the sea."}])
@@ -494,7 +495,7 @@ def test_extraction_refuses_samples_longer_than_max_seq_len():
 
 @pytest.mark.parametrize("mode", ["keep", "trim", "drop"])
 def test_looping_answers_are_kept_trimmed_or_dropped_from_training_only(tmp_path, mode):
-    from eagle3_pipeline.hidden_states import Sample
+    from eagle3_pipeline.shards import Sample
     from eagle3_pipeline.training import ShardDataset, looping_answers
 
     prompt = [900 + k for k in range(5)]

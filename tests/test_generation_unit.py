@@ -280,7 +280,7 @@ def test_every_answer_of_a_prompt_lands_on_the_same_side_of_the_validation_split
     import torch
 
     from eagle3_pipeline.conventions import answer_id, loss_mask
-    from eagle3_pipeline.hidden_states import Sample, ShardReader, write_shard
+    from eagle3_pipeline.shards import Sample, ShardReader, write_shard
     from eagle3_pipeline.training import split_items
 
     def shard(name: str, ids: list[str]) -> ShardReader:

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from eagle3_pipeline.conventions import loss_mask, resolve_layer_ids
-from eagle3_pipeline.hidden_states import Sample, ShardReader, extract_hf, load_hf_target, make_batches, sample_from_trace, write_shard
+from eagle3_pipeline.hf_backend import extract_hf, load_hf_target, make_batches
+from eagle3_pipeline.shards import Sample, ShardReader, sample_from_trace, write_shard
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +140,7 @@ def test_equal_shards_have_equal_bytes_across_processes(tmp_path):
         """
         import sys
         import numpy as np, torch
-        from eagle3_pipeline.hidden_states import Sample, write_shard
+        from eagle3_pipeline.shards import Sample, write_shard
         s = [Sample("a", np.arange(5, dtype=np.int64), np.array([0, 0, 1, 1, 1], dtype=bool))]
         h = [torch.arange(5 * 2 * 3, dtype=torch.float32).reshape(5, 2, 3).to(torch.bfloat16)]
         idx = write_shard(sys.argv[1], s, h, layer_ids=[1, 4], aux_layer_ids=[1], index_path=None)
@@ -199,7 +200,7 @@ def test_fp8_storage_round_trip_error_is_bounded(tmp_path, target_dir):
         assert bool((err <= x.abs() * 2**-4 + amax / 448 * 2**-9 + x.abs() * 2**-8).all())
         assert float(err.max()) > 0  # it is lossy: the test would notice a no-op
     # filled in place in two parts (two chunks of a job) == written in one go, byte for byte
-    from eagle3_pipeline.hidden_states import ShardWriter, shard_index
+    from eagle3_pipeline.shards import ShardWriter, shard_index
 
     rows = np.cumsum([0] + [len(s.input_ids) for s in samples]).tolist()
     with ShardWriter.create(
@@ -219,7 +220,7 @@ def test_fp8_storage_round_trip_error_is_bounded(tmp_path, target_dir):
 
 def test_fp8_dequantization_on_cpu_equals_torchs_cast_for_every_bit_pattern():
     """The table-based CPU dequantisation gives exactly (q.float() * scale).to(dtype), NaN codes included."""
-    from eagle3_pipeline.hidden_states import dequantize_fp8
+    from eagle3_pipeline.shards import dequantize_fp8
 
     q = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(4, 2, 32)  # every code once
     scale = torch.tensor([[1.0, 0.5], [3.7e-3, 2.0], [448.0, 1e-30], [0.125, 7.0]])

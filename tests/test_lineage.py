@@ -15,8 +15,8 @@ import torch
 from safetensors.numpy import save_file
 
 from eagle3_pipeline.conventions import loss_mask
-from eagle3_pipeline.hidden_states import Sample, write_shard
 from eagle3_pipeline.lineage import Hasher, build_manifest, check_manifest, directory_digest, validate_manifest
+from eagle3_pipeline.shards import Sample, write_shard
 from eagle3_pipeline.target_model import model_fingerprint
 from eagle3_pipeline.verify import verify_run
 

@@ -12,8 +12,9 @@ from safetensors.torch import load_file
 from train_support import write_random_train_inputs
 
 from eagle3_pipeline.config import validate_config
-from eagle3_pipeline.hidden_states import read_shard, run_extraction_shard
+from eagle3_pipeline.hidden_states import run_extraction_shard
 from eagle3_pipeline.parallel import replica_devices, replica_gpus, run_replicas, visible_gpus
+from eagle3_pipeline.shards import read_shard
 from eagle3_pipeline.training import run_training
 
 

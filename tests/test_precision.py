@@ -67,7 +67,7 @@ def test_the_vllm_engine_gets_float32_only_when_auto_meets_slow_bf16(fast_bf16, 
 
 
 def test_the_hf_target_loads_in_the_resolved_dtype(target_dir, fast_bf16):
-    from eagle3_pipeline.hidden_states import load_hf_target
+    from eagle3_pipeline.hf_backend import load_hf_target
 
     assert next(load_hf_target(str(target_dir), "cpu").parameters()).dtype == (torch.bfloat16 if fast_bf16 else torch.float32)
     assert next(load_hf_target(str(target_dir), "cpu", dtype="bfloat16").parameters()).dtype == torch.bfloat16

@@ -8,7 +8,7 @@ import torch
 from train_support import write_random_train_inputs
 
 from eagle3_pipeline.config import validate_config
-from eagle3_pipeline.hidden_states import ShardReader
+from eagle3_pipeline.shards import ShardReader
 from eagle3_pipeline.training import ShardDataset, split_items
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

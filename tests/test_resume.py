@@ -19,7 +19,7 @@ import torch
 
 from eagle3_pipeline.config import validate_config
 from eagle3_pipeline.generation import render_prompt_ids
-from eagle3_pipeline.hidden_states import read_shard
+from eagle3_pipeline.shards import read_shard
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,8 +10,8 @@ import yaml
 from e2e_support import snakemake_cli
 
 from eagle3_pipeline.conventions import loss_mask
-from eagle3_pipeline.hidden_states import Sample, write_shard
 from eagle3_pipeline.io import sha256_file
+from eagle3_pipeline.shards import Sample, write_shard
 from eagle3_pipeline.verify import summary_lines, verify_run
 
 ROOT = Path(__file__).resolve().parents[1]

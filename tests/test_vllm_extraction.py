@@ -12,16 +12,9 @@ import torch
 
 from eagle3_pipeline.config import validate_config
 from eagle3_pipeline.conventions import loss_mask
-from eagle3_pipeline.hidden_states import (
-    Sample,
-    ShardReader,
-    ShardWriter,
-    extract_hf,
-    extraction_fingerprint,
-    load_hf_target,
-    read_shard,
-    run_extraction_shard,
-)
+from eagle3_pipeline.hf_backend import extract_hf, load_hf_target
+from eagle3_pipeline.hidden_states import extraction_fingerprint, run_extraction_shard
+from eagle3_pipeline.shards import Sample, ShardReader, ShardWriter, read_shard
 from eagle3_pipeline.vllm_extraction import (
     ChunkFiller,
     engine_layer_ids,

@@ -6,8 +6,8 @@ import numpy as np
 import torch
 
 from eagle3_pipeline.conventions import loss_mask
-from eagle3_pipeline.hidden_states import Sample, write_shard
 from eagle3_pipeline.io import save_npy_atomic
+from eagle3_pipeline.shards import Sample, write_shard
 from eagle3_pipeline.vocab import build_mapping
 
 

@@ -189,7 +189,7 @@ def target_identity(path: str | os.PathLike, hasher: Hasher, full_weights_limit:
 
 
 def _index_of(shard: Path) -> Path:
-    from .hidden_states import shard_index_path
+    from .shards import shard_index_path
 
     return shard_index_path(shard)
 

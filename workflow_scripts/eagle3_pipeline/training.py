@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from .conventions import drafter_aux_columns, prompt_of, repetition_loop
-from .hidden_states import ShardReader
 from .io import InputError, atomic_dir, sha256_file, sha256_json, write_text_atomic
 from .runtime import Timer, progress
+from .shards import ShardReader
 
 logger = logging.getLogger(__name__)
 
@@ -646,8 +646,8 @@ def _train_fingerprint(shards: list[str], vocab_dir: str, target_path: str, cfg:
     Raises:
         InputError: a shard's bytes differ from its index's record.
     """
-    from .hidden_states import shard_index_path
     from .io import checked_sha256
+    from .shards import shard_index_path
     from .target_model import quick_identity
 
     shard_ids = []

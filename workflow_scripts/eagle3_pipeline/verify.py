@@ -41,7 +41,7 @@ def _check_trace_shard(path: Path, hasher: Hasher) -> list[str]:
 
 
 def _check_hidden_shard(path: Path, hasher: Hasher) -> list[str]:
-    from .hidden_states import ShardReader, shard_index_path
+    from .shards import ShardReader, shard_index_path
 
     index = shard_index_path(path)
     if not path.is_file():

@@ -7,7 +7,7 @@ KV connector copies a finished request's rows out of that buffer (vLLM's
 speculators 0.9 uses). :class:`ChunkShardConnector` subclasses that connector and keeps
 its extraction and asynchronous device-to-host copy, but instead of a file per request
 it writes each request's rows straight into the job's preallocated shard at the
-sample's offset (:class:`eagle3_pipeline.hidden_states.ShardWriter`), from the
+sample's offset (:class:`eagle3_pipeline.shards.ShardWriter`), from the
 connector's writer threads while the engine goes on. No per-sample files, no chunk
 files to merge; the stored values are what the target computed, in the same format and
 layer order as the ``hf`` backend.
@@ -84,8 +84,8 @@ def write_chunk_spec(marker, samples, *, shard: str | os.PathLike, rows: Sequenc
 
     Args:
         marker: the chunk's done-marker path (its requests' route).
-        samples: :class:`eagle3_pipeline.hidden_states.Sample` list, in chunk order.
-        shard: the job's preallocated shard (:func:`eagle3_pipeline.hidden_states.prepare_partial_shard`).
+        samples: :class:`eagle3_pipeline.shards.Sample` list, in chunk order.
+        shard: the job's preallocated shard (:func:`eagle3_pipeline.shards.prepare_partial_shard`).
         rows: each sample's first token row in the shard.
         layer_ids: captured ids in stored order (``aux_layer_ids + [n]``).
     """
@@ -109,7 +109,7 @@ class ChunkFiller:
     """Writes each request's states into its shard and marks a chunk done when all are in.
 
     Thread-safe: :meth:`add` is called from the connector's writer threads; shards are
-    opened once per process (:meth:`eagle3_pipeline.hidden_states.ShardWriter.open`).
+    opened once per process (:meth:`eagle3_pipeline.shards.ShardWriter.open`).
     """
 
     def __init__(self) -> None:
@@ -136,7 +136,7 @@ class ChunkFiller:
                 out of range; FloatingPointError: NaN/Inf states. Either is also written
                 to ``<marker>.error`` for the driver.
         """
-        from .hidden_states import ShardWriter, mark_chunk_done
+        from .shards import ShardWriter, mark_chunk_done
 
         try:
             with self._lock:
@@ -305,7 +305,7 @@ def wait_for_chunks(paths: Sequence[Path], *, timeout_s: float, poll_s: float = 
         paths = missing
 
 
-def _vllm_extraction_replica(job: dict, rank: int, chunks) -> None:
+def vllm_extraction_replica(job: dict, rank: int, chunks) -> None:
     """One vLLM engine of an extraction job: prefill the chunks it takes from ``chunks``.
 
     Requests are ``max_tokens=1`` (the sampled token is discarded), fed to the engine
@@ -319,11 +319,11 @@ def _vllm_extraction_replica(job: dict, rank: int, chunks) -> None:
     from vllm import SamplingParams, TokensPrompt
 
     from .engine import build_llm, feed_engine, shutdown_llm
-    from .hidden_states import DONE_SUFFIX
     from .hygiene import ProcessRecord
     from .io import write_json_atomic
     from .resume import ChunkStore
     from .runtime import Timer, progress
+    from .shards import DONE_SUFFIX
 
     samples, ranges, rows = job["samples"], job["ranges"], job["rows"]
     store = ChunkStore.attach(job["out_shard"], DONE_SUFFIX)

@@ -1,0 +1,550 @@
+"""The hidden-state shard format: writer, reader, fp8 storage, index; the same for every backend.
+
+One ``safetensors`` file per trace shard, several samples per file:
+
+=================  ==========================  ==========================================
+tensor             dtype, shape                meaning
+=================  ==========================  ==========================================
+``input_ids``      int64 ``[T]``               prompt + completion ids of all samples
+``loss_mask``      bool ``[T]``                1 on completion tokens (conventions.loss_mask)
+``offsets``        int64 ``[S + 1]``           sample ``i`` is rows ``offsets[i]:offsets[i+1]``
+``hidden_states``  bf16 ``[T, L, H]``          captured layers, in ``layer_ids`` order
+=================  ==========================  ==========================================
+
+``layer_ids`` is ``aux_layer_ids + [n]`` (see :mod:`eagle3_pipeline.conventions`): the
+first ``L - 1`` are the drafter's aux inputs, the last is the final layer before the
+norm. ``T`` is the total token count of the shard, ``H`` the target's hidden size. The
+file's string metadata (one key, ``eagle3_pipeline``, holding a sorted-key JSON object
+with ``format``, ``layer_ids``, ``aux_layer_ids`` and ``sample_ids``: safetensors keeps
+metadata in a hash map, whose key order, and so the file's bytes, would otherwise vary
+from process to process) and a sidecar ``shard-NNNNN.index.json`` carry the sample
+ids, offsets, layer ids and the file's SHA-256. Equal content gives equal bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .conventions import loss_mask
+from .io import atomic_path, file_stat, sha256_file, write_json_atomic
+
+logger = logging.getLogger(__name__)
+
+
+FORMAT = "eagle3-pipeline/hidden-states/v2"
+
+
+META_KEY = "eagle3_pipeline"
+
+
+STORAGE_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
+
+
+FP8 = torch.float8_e4m3fn
+
+
+#: Largest finite value of float8 e4m3fn (OCP 8-bit floating point spec, "E4M3": 1.75 x 2^8).
+FP8_MAX = 448.0
+
+
+def quantize_fp8(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8 e4m3fn with one scale per (token, layer) row: ``(q [T, L, H] fp8, scale [T, L] float32)``.
+
+    ``scale = max_h |x| / 448`` (1 for an all-zero row), ``q = round(x / scale)`` to the
+    nearest e4m3 value, so a row's largest element is exact and every element is within
+    half an e4m3 step (relative 2^-4) of ``x``, or ``scale · 2^-10`` near zero
+    (subnormals). Per-row scales cost ``4·L`` bytes per token against ``H·L`` saved.
+
+    Args:
+        states: ``[T, L, H]`` hidden states, any float dtype.
+    """
+    x = states.float()
+    amax = x.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+@functools.cache
+def _fp8_values() -> np.ndarray:
+    """float32 ``[256]``: the value of every float8 e4m3fn bit pattern (torch's own conversion)."""
+    return torch.arange(256, dtype=torch.uint8).view(FP8).float().numpy()
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``q · scale`` as ``dtype``: the inverse of :func:`quantize_fp8` up to its rounding.
+
+    Args:
+        q: float8 e4m3fn ``[..., H]``.
+        scale: float32 ``[...]``, one per row of ``q``.
+        dtype: the result's dtype.
+
+    On the CPU, ``q`` is widened to float32 through a 256-entry table of the e4m3fn values
+    (``numpy.take`` on its bytes): the same float32 values as ``q.float()``, so the same
+    result, and 2.6x faster for a training sample (torch 2.13's fp8 -> float32 cast is scalar
+    code; ``benchmarks/loader.py``). On a GPU, ``q.float()``.
+    """
+    on_cpu = q.device.type == "cpu"
+    x = torch.from_numpy(np.take(_fp8_values(), q.contiguous().view(torch.uint8).numpy())) if on_cpu else q.float()
+    return (x * scale[..., None]).to(dtype)
+
+
+@dataclass
+class Sample:
+    """One training sample: ``input_ids`` int64 ``[T]`` and ``loss_mask`` bool ``[T]``."""
+
+    id: str
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+
+
+def sample_from_trace(trace: dict, max_seq_len: int) -> Sample:
+    """Build the extraction input of a trace: prompt ids + completion ids, and its loss mask.
+
+    Raises:
+        ValueError: the sample exceeds ``max_seq_len`` tokens (generation caps
+            prompt + completion at the same limit, so this means mismatched configs),
+            or its completion is empty (mask sum 0). The message names the trace id.
+    """
+    p = trace["prompt_token_ids"]
+    c = trace["completion_token_ids"]
+    if len(p) + len(c) > max_seq_len:
+        raise ValueError(
+            f"trace {trace['id']}: {len(p) + len(c)} tokens exceed max_seq_len={max_seq_len}; regenerate with the same max_seq_len"
+        )
+    try:
+        mask = loss_mask(len(p), len(c))
+    except ValueError as e:
+        raise ValueError(f"trace {trace['id']}: {e}") from e
+    return Sample(trace["id"], np.asarray(p + c, dtype=np.int64), mask)
+
+
+#: safetensors dtype names (the format's ``dtype`` field) of the tensors a shard holds.
+SAFETENSORS_DTYPES = {
+    torch.int64: "I64",
+    torch.bool: "BOOL",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    FP8: "F8_E4M3",
+}
+
+
+_TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+
+
+class ShardWriter:
+    """A hidden-state shard preallocated on disk and filled in place, sample by sample.
+
+    :meth:`create` writes a complete safetensors file (format: 8-byte little-endian header
+    length, a JSON header of dtypes, shapes and ``data_offsets``, then the data) whose
+    ``input_ids``, ``loss_mask`` and ``offsets`` are final and whose ``hidden_states``
+    (and fp8 ``hidden_states_scale``) rows are still zeros (a sparse file); each sample's
+    rows are then written at their offset with ``os.pwrite`` by :meth:`write_states`.
+    Several processes may fill disjoint samples of one file (data-parallel replicas,
+    vLLM engine writer threads: :meth:`open` attaches to a created file). The result
+    reads with ``safetensors.safe_open`` like any shard (:class:`ShardReader`).
+
+    Why not ``safetensors.torch.save_file``: it needs the whole shard in memory at once.
+    A real run's shard is larger than host memory (20M tokens × 4 layers × 4096 × 2 bytes
+    = 655 GB), and writing chunk files that are merged at the end copies every byte twice
+    and needs twice the disk. The header is the one safetensors writes for these tensors
+    (sorted keys, padded with spaces to 8 bytes); the data are stored in the order
+    ``input_ids, offsets, hidden_states_scale, hidden_states, loss_mask`` (by alignment).
+    """
+
+    def __init__(self, path: str | os.PathLike, fd: int, header: dict, data_start: int, header_bytes: bytes):
+        self.path = Path(path)
+        self._fd = fd
+        self.header = header
+        self.header_bytes = header_bytes
+        self._start = data_start
+        hs = header["hidden_states"]
+        self.num_tokens, self.num_layers, self.hidden_size = hs["shape"]
+        self.stored_dtype = _TORCH_DTYPES[hs["dtype"]]
+
+    @staticmethod
+    def layout(
+        samples: Sequence[Sample], *, layer_ids: Sequence[int], aux_layer_ids: Sequence[int], hidden_size: int, storage_dtype: torch.dtype
+    ) -> tuple[bytes, dict[str, torch.Tensor]]:
+        """The file's first bytes (length + header) and its small tensors, for ``samples``.
+
+        Returns:
+            ``(prefix, tensors)``: ``prefix`` is the 8-byte length plus the JSON header;
+            ``tensors`` are ``input_ids`` int64 ``[T]``, ``loss_mask`` bool ``[T]``,
+            ``offsets`` int64 ``[S + 1]``.
+
+        Raises:
+            ValueError: ``storage_dtype`` is not one of :data:`STORAGE_DTYPES`.
+        """
+        if storage_dtype not in STORAGE_DTYPES.values():
+            raise ValueError(f"storage dtype {storage_dtype} is not one of {sorted(STORAGE_DTYPES)}")
+        lengths = [len(s.input_ids) for s in samples]
+        n, n_layers = int(sum(lengths)), len(layer_ids)
+        small = {
+            "input_ids": torch.from_numpy(np.concatenate([s.input_ids for s in samples]) if samples else np.zeros(0, np.int64)),
+            "loss_mask": torch.from_numpy(np.concatenate([s.loss_mask for s in samples]) if samples else np.zeros(0, bool)),
+            "offsets": torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)),
+        }
+        shapes = {k: (t.dtype, list(t.shape)) for k, t in small.items()}
+        shapes["hidden_states"] = (storage_dtype, [n, n_layers, hidden_size])
+        if storage_dtype == FP8:
+            shapes["hidden_states_scale"] = (torch.float32, [n, n_layers])
+        header: dict = {
+            "__metadata__": {
+                META_KEY: json.dumps(
+                    {
+                        "format": FORMAT,
+                        "layer_ids": list(layer_ids),
+                        "aux_layer_ids": list(aux_layer_ids),
+                        "sample_ids": [s.id for s in samples],
+                    },
+                    sort_keys=True,
+                )
+            }
+        }
+        pos = 0
+        for name in ("input_ids", "offsets", "hidden_states_scale", "hidden_states", "loss_mask"):
+            if name in shapes:
+                dtype, shape = shapes[name]
+                size = int(np.prod(shape)) * dtype.itemsize
+                header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": shape, "data_offsets": [pos, pos + size]}
+                pos += size
+        text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        return len(text).to_bytes(8, "little") + text, small
+
+    @classmethod
+    def create(
+        cls,
+        path: str | os.PathLike,
+        samples: Sequence[Sample],
+        *,
+        layer_ids: Sequence[int],
+        aux_layer_ids: Sequence[int],
+        hidden_size: int,
+        storage_dtype: torch.dtype,
+    ) -> ShardWriter:
+        """Create (or overwrite) ``path`` as the shard of ``samples`` with zero states; see :meth:`layout`."""
+        prefix, small = cls.layout(
+            samples, layer_ids=layer_ids, aux_layer_ids=aux_layer_ids, hidden_size=hidden_size, storage_dtype=storage_dtype
+        )
+        header = json.loads(prefix[8:])
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            total = len(prefix) + max(e["data_offsets"][1] for k, e in header.items() if k != "__metadata__")
+            os.ftruncate(fd, total)
+            _pwrite_all(fd, prefix, 0)
+            for name, t in small.items():
+                _pwrite_all(fd, t.numpy().tobytes(), len(prefix) + header[name]["data_offsets"][0])
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, fd, header, len(prefix), prefix)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> ShardWriter:
+        """Attach to a shard made by :meth:`create` (e.g. from another process) to fill its states.
+
+        Raises:
+            ValueError: ``path`` is not a hidden-state shard (names the file).
+        """
+        prefix, header = read_shard_header(path)
+        return cls(path, os.open(path, os.O_RDWR), header, len(prefix), prefix)
+
+    def write_states(self, row: int, states: torch.Tensor) -> int:
+        """Store one sample's (or consecutive samples') states at token row ``row``.
+
+        Args:
+            row: the first token's index in the shard (``offsets[i]`` of its sample).
+            states: ``[T, L, H]`` in layer_ids order, any float dtype, on CPU; cast to the
+                shard's dtype (fp8: :func:`quantize_fp8`, with its per-row scales).
+
+        Returns:
+            bytes written.
+
+        Raises:
+            ValueError: the rows fall outside the shard or the shape differs from ``[T, L, H]``.
+        """
+        t = states.shape[0]
+        if (
+            states.dim() != 3
+            or tuple(states.shape[1:]) != (self.num_layers, self.hidden_size)
+            or not 0 <= row <= row + t <= self.num_tokens
+        ):
+            raise ValueError(
+                f"{self.path}: states of shape {tuple(states.shape)} at row {row} do not fit "
+                f"[{self.num_tokens}, {self.num_layers}, {self.hidden_size}]"
+            )
+        parts = {}
+        if self.stored_dtype == FP8:
+            parts["hidden_states"], parts["hidden_states_scale"] = quantize_fp8(states)
+        else:
+            parts["hidden_states"] = states.to(self.stored_dtype)
+        written = 0
+        for name, x in parts.items():
+            x = x.contiguous()
+            buf = x.view(torch.uint8).numpy()
+            _pwrite_all(self._fd, buf, self._start + self.header[name]["data_offsets"][0] + row * x.stride(0) * x.element_size())
+            written += buf.nbytes
+        return written
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_shard_header(path: str | os.PathLike) -> tuple[bytes, dict]:
+    """``(prefix, header)`` of a shard file: its first bytes (8-byte length + JSON header) and the parsed header.
+
+    Raises:
+        ValueError: ``path`` is not a hidden-state shard (names the file).
+    """
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        prefix = f.read(n)
+    try:
+        header = json.loads(prefix)
+        meta = json.loads(header.get("__metadata__", {}).get(META_KEY, "{}"))
+    except ValueError:
+        header, meta = {}, {}
+    if meta.get("format") != FORMAT or "hidden_states" not in header:
+        raise ValueError(f"{path}: not an eagle3-pipeline {FORMAT} hidden-state shard")
+    return n.to_bytes(8, "little") + prefix, header
+
+
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    """``os.pwrite`` until every byte of ``data`` is written (a write may be partial)."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def write_shard(
+    path: str | os.PathLike,
+    samples: Sequence[Sample],
+    states: Sequence[torch.Tensor],
+    *,
+    layer_ids: Sequence[int],
+    aux_layer_ids: Sequence[int],
+    index_path: str | os.PathLike | None,
+    storage_dtype: torch.dtype | None = None,
+    checksum: bool = True,
+) -> dict:
+    """Write one hidden-state shard (format in the module docstring) and its index, atomically.
+
+    Args:
+        states: per sample ``[T_i, L, H]``.
+        storage_dtype: dtype to store (default: the states' own); ``torch.float8_e4m3fn``
+            stores :func:`quantize_fp8` values plus ``hidden_states_scale`` float32 ``[T, L]``.
+        checksum: put the file's SHA-256 in the index (reads the file back).
+
+    Returns:
+        the index dict (also written to ``index_path`` unless it is None).
+
+    Raises:
+        ValueError: no samples, or a sample's states have another shape than ``[T_i, L, H]``.
+    """
+    if not states:
+        raise ValueError(f"{path}: a shard needs at least one sample")
+    hidden_size = states[0].shape[-1]
+    with (
+        atomic_path(path, suffix=".safetensors") as tmp,
+        ShardWriter.create(
+            tmp,
+            samples,
+            layer_ids=layer_ids,
+            aux_layer_ids=aux_layer_ids,
+            hidden_size=hidden_size,
+            storage_dtype=storage_dtype or states[0].dtype,
+        ) as w,
+    ):
+        row = 0
+        for s, x in zip(samples, states, strict=True):
+            if x.shape[0] != len(s.input_ids):
+                raise ValueError(f"{path}: sample {s.id} has {len(s.input_ids)} tokens but states of shape {tuple(x.shape)}")
+            w.write_states(row, x)
+            row += x.shape[0]
+    return shard_index(path, samples, layer_ids=layer_ids, aux_layer_ids=aux_layer_ids, index_path=index_path, checksum=checksum)
+
+
+def shard_index_path(shard: str | os.PathLike) -> Path:
+    """The ``.index.json`` beside a hidden-state shard (``shard-00000.safetensors`` → ``shard-00000.index.json``)."""
+    p = Path(shard)
+    return p.with_name(p.name.replace(".safetensors", ".index.json"))
+
+
+def shard_index(
+    path: str | os.PathLike,
+    samples: Sequence[Sample],
+    *,
+    layer_ids: Sequence[int],
+    aux_layer_ids: Sequence[int],
+    index_path: str | os.PathLike | None,
+    checksum: bool = True,
+) -> dict:
+    """The index of a complete shard (sample ids, offsets, counts, size, SHA-256), written to ``index_path``.
+
+    Hidden size and dtype are read from the file's header.
+    """
+    hs = read_shard_header(path)[1]["hidden_states"]
+    hidden_size = hs["shape"][-1]
+    dtype = _TORCH_DTYPES[hs["dtype"]]
+    lengths = [len(s.input_ids) for s in samples]
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64).tolist()
+    index = {
+        "format": FORMAT,
+        "file": Path(path).name,
+        "num_samples": len(samples),
+        "num_tokens": int(offsets[-1]),
+        "num_supervised_tokens": int(sum(int(s.loss_mask.sum()) for s in samples)),
+        "layer_ids": list(layer_ids),
+        "aux_layer_ids": list(aux_layer_ids),
+        "hidden_size": int(hidden_size),
+        "dtype": str(dtype).removeprefix("torch."),
+        "bytes": os.path.getsize(path),
+        "sha256": sha256_file(path) if checksum else None,
+        # the shard as hashed: a reader trusts the hash while size, mtime and inode are these (io.checked_sha256)
+        "stat": file_stat(path) if checksum else None,
+        "samples": [{"id": s.id, "offset": o, "length": n} for s, o, n in zip(samples, offsets[:-1], lengths, strict=True)],
+    }
+    if index_path is not None:
+        write_json_atomic(index_path, index)
+    return index
+
+
+class ShardReader:
+    """Lazy per-sample access to a hidden-state shard (memory-mapped by safetensors)."""
+
+    def __init__(self, path: str | os.PathLike):
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        self._f = safe_open(str(path), framework="pt")
+        raw = self._f.metadata() or {}
+        meta = json.loads(raw[META_KEY]) if META_KEY in raw else {}
+        if meta.get("format") != FORMAT:
+            found = meta.get("format") or raw.get("format")
+            raise ValueError(f"{path}: not an eagle3-pipeline {FORMAT} hidden-state shard (format={found!r}); re-extract it")
+        self.layer_ids: list[int] = meta["layer_ids"]
+        self.aux_layer_ids: list[int] = meta["aux_layer_ids"]
+        self.sample_ids: list[str] = meta["sample_ids"]
+        self.offsets = self._f.get_tensor("offsets")
+        self.input_ids = self._f.get_tensor("input_ids")
+        self.loss_mask = self._f.get_tensor("loss_mask")
+        self.fp8 = "hidden_states_scale" in set(self._f.keys())
+        self._scale = self._f.get_tensor("hidden_states_scale") if self.fp8 else None
+        self.stored_dtype = self._f.get_slice("hidden_states").get_dtype()
+
+    def raw(self, name: str) -> torch.Tensor:
+        """A stored tensor as it is in the file (fp8 states not dequantised)."""
+        return self._f.get_tensor(name)
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def lengths(self) -> list[int]:
+        return (self.offsets[1:] - self.offsets[:-1]).tolist()
+
+    def all_hidden_states(self) -> torch.Tensor:
+        """The whole ``hidden_states`` tensor ``[T, L, H]`` (read into memory; fp8 dequantised to bf16)."""
+        hs = self._f.get_tensor("hidden_states")
+        return dequantize_fp8(hs, self._scale) if self.fp8 else hs
+
+    def sample(self, i: int, layers: Sequence[int] | None = None) -> dict:
+        """Sample ``i``: ``input_ids`` [T], ``loss_mask`` [T], ``hidden_states`` [T, L, H] (fp8 dequantised to bf16).
+
+        Args:
+            i: sample index in the shard.
+            layers: positions (0-based, into :attr:`layer_ids`) of the layers to return, in
+                this order; ``hidden_states`` is then ``[T, len(layers), H]``. fp8 rows are
+                dequantised after the selection, so unused stored layers cost no work.
+        """
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        hs = self._f.get_slice("hidden_states")[a:b]
+        scale = self._scale[a:b] if self.fp8 else None
+        if layers is not None:
+            cols = list(layers)
+            hs = hs[:, cols]
+            scale = scale[:, cols] if scale is not None else None
+        if scale is not None:
+            hs = dequantize_fp8(hs, scale)
+        return {
+            "id": self.sample_ids[i],
+            "input_ids": self.input_ids[a:b],
+            "loss_mask": self.loss_mask[a:b],
+            "hidden_states": hs,
+        }
+
+
+def read_shard(path: str | os.PathLike) -> tuple[list[Sample], list[torch.Tensor], list[int], list[int]]:
+    """``(samples, per-sample states [T_i, L, H], layer_ids, aux_layer_ids)`` of a whole shard."""
+    r = ShardReader(path)
+    hs = r.all_hidden_states()
+    samples, states = [], []
+    for i, sid in enumerate(r.sample_ids):
+        a, b = int(r.offsets[i]), int(r.offsets[i + 1])
+        samples.append(Sample(sid, r.input_ids[a:b].numpy(), r.loss_mask[a:b].numpy()))
+        states.append(hs[a:b])
+    return samples, states, r.layer_ids, r.aux_layer_ids
+
+
+#: Suffix of a chunk's done marker in the job's chunk store (the states live in the shard).
+DONE_SUFFIX = ".done"
+
+
+def mark_chunk_done(marker: str | os.PathLike, num_samples: int, num_tokens: int) -> None:
+    """Write a chunk's done marker, ``{"samples", "tokens"}``: its states are in the job's shard.
+
+    Written to ``marker`` as given: callers pass a temporary path that they rename into
+    place (:meth:`eagle3_pipeline.resume.ChunkStore.writing`, :func:`eagle3_pipeline.io.atomic_path`).
+    """
+    Path(marker).write_text(json.dumps({"samples": int(num_samples), "tokens": int(num_tokens)}) + "\n")
+
+
+def prepare_partial_shard(store, samples: Sequence[Sample], **layout) -> Path:
+    """The job's preallocated shard in its chunk store, created unless a matching one is there.
+
+    A shard kept from a killed run is reused when its header equals the one ``samples``
+    and ``layout`` (:meth:`ShardWriter.layout` arguments) give, with its done chunks;
+    otherwise it is created afresh (atomically) and any done markers are dropped.
+
+    Returns:
+        the path of the partial shard (``<chunk store>/shard.safetensors``).
+    """
+    path = store.dir / "shard.safetensors"
+    prefix, _ = ShardWriter.layout(samples, **layout)
+    if path.is_file():
+        with open(path, "rb") as f:
+            if f.read(len(prefix)) == prefix:
+                return path
+    stale = store.finished()
+    if stale:
+        logger.warning("%s: the partial shard is missing or differs; discarding %d done chunk(s)", store.final_path, len(stale))
+        for i in stale:
+            store.path(i).unlink(missing_ok=True)
+    with atomic_path(path, suffix=".safetensors") as tmp:
+        ShardWriter.create(tmp, samples, **layout).close()
+    return path
