@@ -329,3 +329,21 @@ def test_the_traces_summary_counts_answers_ending_in_a_loop():
     res = ShardResult(traces=[trace(0, [4] * 50, "length"), trace(1, list(range(50)), "stop"), trace(2, [1, 2] * 30, "stop")])
     s = res.summary()
     assert (s["ok"], s["truncated"], s["repetition_loops"]) == (3, 1, 2)
+
+
+def test_a_target_vllm_cannot_draft_for_with_eagle3_is_refused_naming_its_architecture(tmp_path, target_dir):
+    from transformers import AutoConfig
+
+    from eagle3_pipeline.engine import check_eagle3_target
+    from eagle3_pipeline.io import InputError
+
+    assert check_eagle3_target(str(target_dir)) == "LlamaForCausalLM"
+    cfg = AutoConfig.for_model("gpt2", n_layer=2, n_embd=64, n_head=2)
+    cfg.architectures = ["GPT2LMHeadModel"]
+    cfg.save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(InputError, match=r"vLLM [0-9.]+\S*'s GPT2LMHeadModel has no EAGLE-3 support .* use a vLLM version"):
+        check_eagle3_target(str(tmp_path / "gpt2"))
+    cfg.architectures = ["NoSuchModelForCausalLM"]
+    cfg.save_pretrained(tmp_path / "unknown")
+    with pytest.raises(InputError, match=r"has no model class for NoSuchModelForCausalLM"):
+        check_eagle3_target(str(tmp_path / "unknown"))

@@ -42,6 +42,42 @@ def clear_thread_env() -> None:
         os.environ.pop(var, None)
 
 
+def check_eagle3_target(target_path: str, trust_remote_code: bool = False) -> str:
+    """Check that the installed vLLM can serve an EAGLE-3 drafter on this target, before any work.
+
+    vLLM's eagle3 path needs the target's model class to hand the drafter its aux hidden
+    states (vLLM's ``SupportsEagle3`` interface, ``vllm.model_executor.models.interfaces``);
+    without it the drafter can be trained but neither evaluated nor served.
+
+    Returns:
+        the architecture checked (the first of the target's ``architectures``).
+
+    Raises:
+        InputError: vLLM does not know the architecture, or its class has no EAGLE-3 support;
+            the message names the architecture, the vLLM version and what to do.
+    """
+    import vllm
+    from transformers import AutoConfig
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    from .io import InputError
+
+    archs = AutoConfig.from_pretrained(target_path, trust_remote_code=trust_remote_code).architectures or []
+    if not archs:
+        raise InputError(f"{target_path}/config.json names no architectures; vLLM cannot pick a model class for it")
+    registered = ModelRegistry.models.get(archs[0])
+    if registered is None:
+        raise InputError(f"{target_path}: vLLM {vllm.__version__} has no model class for {archs[0]}; use a vLLM version that supports it")
+    if not supports_eagle3(registered.load_model_cls()):
+        raise InputError(
+            f"{target_path}: vLLM {vllm.__version__}'s {archs[0]} has no EAGLE-3 support (its class does not hand the drafter "
+            "aux hidden states), so a drafter for it can be neither evaluated nor served with vLLM's eagle3 method; "
+            "use a vLLM version whose model class supports EAGLE-3 (SupportsEagle3)"
+        )
+    return archs[0]
+
+
 def engine_identity() -> dict:
     """``{"name": "vllm", "version": ..., "platform": "cpu"|"cuda"|...}`` of the installed engine."""
     import vllm

@@ -524,13 +524,15 @@ def run_generation_shard(
         the summary written to ``out["summary"]``.
 
     Raises:
-        InputError: every prompt of the shard was rejected.
+        InputError: every prompt of the shard was rejected, or the installed vLLM cannot draft
+            for the target with EAGLE-3 (:func:`eagle3_pipeline.engine.check_eagle3_target`).
         ValueError: fewer GPUs visible than the replicas need.
         RuntimeError: a replica failed (finished chunks are kept).
     """
     import functools
 
     from .config import result_settings
+    from .engine import check_eagle3_target
     from .hygiene import check_gpus_free, cleanup_stale_processes, host_lock
     from .io import file_stat, read_jsonl, sha256_file, sha256_json, write_json_atomic, write_jsonl_atomic
     from .parallel import replica_stats, run_replicas
@@ -538,6 +540,8 @@ def run_generation_shard(
     from .runtime import Timer, peak_memory
     from .target_model import model_fingerprint
 
+    # the first stage fails for a target the evaluation's vLLM could not draft for, not the last
+    check_eagle3_target(target, params["trust_remote_code"])
     records = sorted(read_jsonl(prompts_path), key=lambda r: r["id"])
     model = {"path": target, "fingerprint": model_fingerprint(target)}
     # runtime settings (data-parallel layout, ...) do not change the traces: a resume may use
