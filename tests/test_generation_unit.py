@@ -347,3 +347,13 @@ def test_a_target_vllm_cannot_draft_for_with_eagle3_is_refused_naming_its_archit
     cfg.save_pretrained(tmp_path / "unknown")
     with pytest.raises(InputError, match=r"has no model class for NoSuchModelForCausalLM"):
         check_eagle3_target(str(tmp_path / "unknown"))
+
+
+def test_answer_ids_and_their_prompt():
+    from eagle3_pipeline.conventions import answer_id, prompt_of
+
+    pid = "0123456789abcdef"
+    assert [answer_id(pid, j) for j in range(3)] == [pid, pid + "-1", pid + "-2"]
+    assert {prompt_of(answer_id(pid, j)) for j in range(12)} == {pid}
+    for other in ("s0-5", "0123456789abcdef-x", "abc-1", "0123456789abcdef0-1"):  # not an answer id: its own prompt
+        assert prompt_of(other) == other

@@ -124,8 +124,12 @@ def answer_id(prompt: str, j: int) -> str:
 
 
 def prompt_of(sample_id: str) -> str:
-    """The prompt id of a trace or sample id (:func:`answer_id`'s inverse on the prompt part)."""
-    return sample_id.partition("-")[0]
+    """The prompt id of a trace or sample id (:func:`answer_id`'s inverse on the prompt part): a
+    16-hex-digit prompt id followed by ``-<j>`` loses the suffix; any other id is its own prompt's."""
+    import re
+
+    m = re.fullmatch(r"([0-9a-f]{16})-[0-9]+", sample_id)
+    return m.group(1) if m else sample_id
 
 
 #: An answer ends in a repetition loop when its last tokens repeat one unit of at most
