@@ -24,7 +24,7 @@ test: setup lint $(QWEN3_TOKENIZER)
 
 # The unit tier: no snakemake run, no real target, no vLLM engine (under a minute).
 test-fast: setup
-	$(PY) -m pytest -q tests -m "not e2e and not model and not workflow"
+	$(PY) -m pytest -q tests -m "not e2e and not model and not workflow and not processes"
 
 lint: setup
 	$(SNAKE) --lint --cores 1

@@ -45,7 +45,7 @@ def e2e_run(tmp_path_factory):
 def pytest_collection_modifyitems(config, items):
     """Test tiers by what a test uses, marked or not: the end-to-end run makes an ``e2e`` test, the real
     target (``target_dir``, and every fixture built on it: ``tokenizer``, ...) a ``model`` test. The rest
-    not marked ``workflow`` is the unit tier (``make test-fast``)."""
+    not marked ``workflow`` or ``processes`` is the unit tier (``make test-fast``)."""
     for item in items:
         names = getattr(item, "fixturenames", ())
         if "e2e_run" in names:

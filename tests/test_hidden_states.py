@@ -129,6 +129,7 @@ def test_sample_from_trace_limits():
         sample_from_trace({**t, "completion_token_ids": []}, 5)
 
 
+@pytest.mark.processes
 def test_equal_shards_have_equal_bytes_across_processes(tmp_path):
     """safetensors keeps string metadata in a hash map whose order varies by process;
     the shard's single metadata key makes equal content give an equal file (SHA-256)."""

@@ -71,6 +71,7 @@ def _overlap(a: dict, b: dict) -> bool:
     return a["start"] < b["end"] and b["start"] < a["end"]
 
 
+@pytest.mark.processes
 def test_engines_sharing_a_gpu_start_one_at_a_time(tmp_path, monkeypatch):
     """Four replicas, two per GPU: engines of one GPU never start together, those of different GPUs do."""
     recs = _engine_starts(tmp_path, monkeypatch, "0,1", 8, 4, 2)
@@ -81,12 +82,14 @@ def test_engines_sharing_a_gpu_start_one_at_a_time(tmp_path, monkeypatch):
     assert all(r["met_other_gpu"] for r in recs)  # one lock per GPU: the other GPU's engine started meanwhile
 
 
+@pytest.mark.processes
 def test_replicas_with_gpus_of_their_own_start_side_by_side(tmp_path, monkeypatch):
     recs = _engine_starts(tmp_path, monkeypatch, "0,1", 6, 2, 1)
     assert sorted(r["gpu"] for r in recs) == ["0", "1"] and [r["share"] for r in recs] == [0.9, 0.9]
     assert all(r["met_other_gpu"] for r in recs)  # no start lock: both engines started together
 
 
+@pytest.mark.processes
 def test_fewer_chunks_than_replicas_use_every_gpu_before_sharing_one(tmp_path, monkeypatch):
     """Two chunks left of a job of 4 replicas on 2 GPUs (2 per GPU): one replica per GPU, each with the GPU's share."""
     recs = _engine_starts(tmp_path, monkeypatch, "0,1", 2, 4, 2)
@@ -134,6 +137,7 @@ def _record_items(out_dir: str, fail_on: int | None, rank: int, items) -> None:
         Path(out_dir, f"item-{item}").write_text(f"{rank} {os.getpid()}")
 
 
+@pytest.mark.processes
 def test_replicas_share_items_exactly_once(tmp_path):
     run_replicas(functools.partial(_record_items, str(tmp_path), None), list(range(10)), 2, 1)
     done = {int(p.name[5:]): p.read_text().split() for p in tmp_path.glob("item-*")}
@@ -143,11 +147,13 @@ def test_replicas_share_items_exactly_once(tmp_path):
     }  # done in replica processes, not here
 
 
+@pytest.mark.processes
 def test_a_failed_replica_is_an_error_naming_it(tmp_path):
     with pytest.raises(RuntimeError, match=r"data-parallel replica \d failed \(exit code 3\)"):
         run_replicas(functools.partial(_record_items, str(tmp_path), 0), [0, 1], 2, 1)
 
 
+@pytest.mark.processes
 def test_one_replica_runs_in_process(tmp_path):
     run_replicas(functools.partial(_record_items, str(tmp_path), None), [0, 1], 1, 1)
     assert {p.read_text().split()[1] for p in tmp_path.glob("item-*")} == {str(os.getpid())}
@@ -336,6 +342,7 @@ def test_epochs_with_fewer_packs_than_the_first_train_to_the_end(train_inputs, t
     assert len(set(per_epoch)) > 1 and min(per_epoch) >= 9, per_epoch  # here [11, 10, 10, 9]
 
 
+@pytest.mark.processes
 def test_more_training_processes_than_gpus_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     cfg = validate_config({"training": {"device": "cuda"}})["training"]
