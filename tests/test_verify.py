@@ -158,3 +158,53 @@ def test_extraction_refuses_traces_altered_after_generation(tmp_path):
         InputError, match=r"shard-00000.jsonl: its bytes differ from what its producer recorded in .*shard-00000.summary.json"
     ):
         recorded_traces_sha256(traces)
+
+
+def test_a_directory_record_names_an_altered_or_missing_file(tmp_path):
+    import pytest
+
+    from eagle3_pipeline.io import InputError, check_recorded_files, record_files
+
+    d = tmp_path / "drafter"
+    (d / "sub").mkdir(parents=True)
+    (d / "config.json").write_text("{}")
+    (d / "sub" / "model.safetensors").write_bytes(b"weights" * 100)
+    (d / ".hidden").write_text("not recorded")
+    assert check_recorded_files(d) is None  # no record: nothing to check against
+    rec = record_files(d)
+    assert sorted(rec) == ["config.json", "sub/model.safetensors"]
+    assert check_recorded_files(d) == {k: sha256_file(d / k) for k in rec}
+    _flip_byte(d / "sub" / "model.safetensors", 3)
+    with pytest.raises(InputError, match=r"sub/model.safetensors: its bytes differ from what its producer recorded in .*\.sha256\.json"):
+        check_recorded_files(d)
+    (d / "sub" / "model.safetensors").unlink()
+    with pytest.raises(InputError, match=r"model.safetensors: missing, but .*\.sha256\.json records it"):
+        check_recorded_files(d)
+
+
+def test_training_refuses_a_draft_vocab_altered_after_it_was_built(tmp_path, target_dir):
+    import numpy as np
+    import pytest
+    from train_support import write_random_train_inputs
+
+    from eagle3_pipeline.config import validate_config
+    from eagle3_pipeline.io import InputError, record_files
+    from eagle3_pipeline.training import train
+
+    shard = write_random_train_inputs(tmp_path, 4)
+    record_files(tmp_path / "vocab", ["d2t.npy", "t2d.npy"])  # as build_vocab_mapping does
+    d2t = np.load(tmp_path / "vocab" / "d2t.npy")
+    d2t[5] += 1
+    np.save(tmp_path / "vocab" / "d2t.npy", d2t)
+    cfg = validate_config({"training": {"epochs": 1, "pack_tokens": 256, "optimizer": "adamw"}})["training"]
+    with pytest.raises(InputError, match=r"vocab/d2t.npy: its bytes differ from what its producer recorded"):
+        train(
+            [str(shard)],
+            str(tmp_path / "vocab"),
+            str(target_dir),
+            str(tmp_path / "d"),
+            str(tmp_path / "m.jsonl"),
+            cfg,
+            seed=0,
+            max_seq_len=256,
+        )

@@ -6,7 +6,7 @@ from pathlib import Path
 from eagle3_pipeline.engine import build_llm, engine_identity, shutdown_llm
 from eagle3_pipeline.evaluation import eval_prompt_ids, run_eval, speedup_table, throughput_runs
 from eagle3_pipeline.hygiene import ProcessRecord, check_gpus_free, cleanup_stale_processes, host_lock
-from eagle3_pipeline.io import read_json, read_jsonl, write_json_atomic, write_jsonl_atomic
+from eagle3_pipeline.io import check_recorded_files, read_json, read_jsonl, write_json_atomic, write_jsonl_atomic
 from eagle3_pipeline.runtime import Timer, peak_memory, start_log
 from eagle3_pipeline.target_model import load_tokenizer
 
@@ -15,6 +15,7 @@ if __name__ == "__main__":
     start_log(sm.log[0])
     k = sm.params.num_speculative_tokens
     drafter = str(Path(sm.input.drafter).resolve())
+    check_recorded_files(drafter)  # the bytes training wrote, or an error naming the file (before any engine)
     spec = {"method": "eagle3", "model": drafter, "num_speculative_tokens": k}
     # the run's process records (results/<run>/.pids), for a sweep variant's evaluation too
     variant = getattr(sm.wildcards, "variant", None)

@@ -233,6 +233,54 @@ def checked_sha256(path: str | os.PathLike, sha256: str | None, stat: dict | Non
     return sha256
 
 
+#: A directory's record of the files its producer wrote (:func:`record_files`): a dot-file, which
+#: the run manifest's directory hashes and vLLM's loader leave out.
+FILES_RECORD = ".sha256.json"
+
+
+def record_files(directory: str | os.PathLike, names: Iterable[str] | None = None) -> dict:
+    """Record the SHA-256 and :func:`file_stat` of files a job wrote in ``directory`` (all its
+    non-dot files, or ``names``) in ``<directory>/.sha256.json``, for :func:`check_recorded_files`.
+
+    Returns:
+        the record, ``{relative path: {"sha256", "stat"}}``.
+    """
+    root = Path(directory)
+    files = (
+        sorted(root / n for n in names)
+        if names is not None
+        else sorted(p for p in root.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    )
+    record = {p.relative_to(root).as_posix(): {"sha256": sha256_file(p), "stat": file_stat(p)} for p in files}
+    write_json_atomic(root / FILES_RECORD, record)
+    return record
+
+
+def check_recorded_files(directory: str | os.PathLike) -> dict[str, str] | None:
+    """Check the files of ``directory`` against the record its producer wrote (:func:`record_files`)
+    before a stage reads them: each by :func:`checked_sha256` (not read again while unwritten since).
+
+    Returns:
+        ``{relative path: sha256}``, or None when the directory has no record (written before
+        records were kept, or brought from elsewhere).
+
+    Raises:
+        InputError: a recorded file is missing or its bytes differ from the record.
+    """
+    root = Path(directory)
+    rec_path = root / FILES_RECORD
+    if not rec_path.is_file():
+        return None
+    record = read_json(rec_path)
+    out = {}
+    for rel, r in record.items():
+        p = root / rel
+        if not p.is_file():
+            raise InputError(f"{p}: missing, but {rec_path} records it; run the workflow again to remake {root}")
+        out[rel] = checked_sha256(p, r.get("sha256"), r.get("stat"), str(rec_path))
+    return out
+
+
 def sha256_json(obj: Any) -> str:
     """Hex SHA-256 of the canonical JSON encoding of ``obj`` (sorted keys, no spaces)."""
     data = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)

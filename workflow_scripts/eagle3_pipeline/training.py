@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .conventions import drafter_aux_columns, prompt_of, repetition_loop
-from .io import InputError, atomic_dir, sha256_file, sha256_json, write_text_atomic
+from .io import InputError, atomic_dir, record_files, sha256_file, sha256_json, write_text_atomic
 from .runtime import Timer, progress
 from .shards import ShardReader
 
@@ -644,9 +644,10 @@ def _train_fingerprint(shards: list[str], vocab_dir: str, target_path: str, cfg:
     on disk: :func:`eagle3_pipeline.io.checked_sha256`), vocab, target, settings.
 
     Raises:
-        InputError: a shard's bytes differ from its index's record.
+        InputError: a shard's bytes differ from its index's record, or a vocab file's from
+            build_vocab_mapping's record.
     """
-    from .io import checked_sha256
+    from .io import check_recorded_files, checked_sha256
     from .shards import shard_index_path
     from .target_model import quick_identity
 
@@ -658,7 +659,8 @@ def _train_fingerprint(shards: list[str], vocab_dir: str, target_path: str, cfg:
             shard_ids.append(checked_sha256(p, m.get("sha256"), m.get("stat"), str(index)))
         else:
             shard_ids.append(sha256_file(p))
-    vocab = [sha256_file(Path(vocab_dir) / f) for f in ("d2t.npy", "t2d.npy")]
+    recorded = check_recorded_files(vocab_dir) or {}  # build_vocab_mapping's record, checked
+    vocab = [recorded.get(f) or sha256_file(Path(vocab_dir) / f) for f in ("d2t.npy", "t2d.npy")]
     return sha256_json(
         {"shards": shard_ids, "vocab": vocab, "target": quick_identity(target_path), "cfg": cfg, "seed": seed, "max_seq_len": max_seq_len}
     )
@@ -961,6 +963,7 @@ def train(
         with atomic_dir(out_dir) as tmp:
             base.save_pretrained(tmp, state_dict=convert_float_dtype(model_sd, save_dtype))
             patch_config_dtype(tmp / "config.json", save_dtype)
+        record_files(out_dir)  # what evaluation checks before vLLM loads it (io.check_recorded_files)
         write_text_atomic(metrics_path, "".join(json.dumps(x) + "\n" for x in lines))
         ckpt.remove()
     _barrier(ctx)
