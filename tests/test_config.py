@@ -132,3 +132,20 @@ def test_config_readme_is_the_schema_reference():
 
     keys = list(leaves(load_schema()["properties"]))
     assert len(keys) > 80 and all(f"| `{k}` |" in doc for k in keys)
+
+
+def test_every_schema_property_uses_only_schema_keywords():
+    """A YAML flow mapping splits an unquoted description at its commas into stray keys, which
+    jsonschema ignores: every property schema holds JSON-schema keywords and x-result only."""
+    from eagle3_pipeline.config import load_schema
+
+    allowed = {"type", "default", "description", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}
+    allowed |= {"properties", "additionalProperties", "items", "x-result", "pattern", "minItems", "maxItems", "propertyNames"}
+    allowed |= {"required", "oneOf", "anyOf", "allOf", "if", "then", "else", "minLength", "uniqueItems", "const", "not"}
+
+    def walk(schema, path=""):
+        for key, sub in schema.get("properties", {}).items():
+            assert set(sub) <= allowed, f"{path}{key}: {sorted(set(sub) - allowed)}"
+            walk(sub, f"{path}{key}.")
+
+    walk(load_schema())
