@@ -1,5 +1,6 @@
 """Host-wide full-model lock, disk preflight and resumable chunk stores."""
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -179,3 +180,16 @@ def test_a_ctrl_c_ends_a_job_with_one_line_not_tracebacks(tmp_path, interrupt):
         )
     else:
         assert "Traceback" in r.stderr and "ValueError: a real error" in r.stderr
+
+
+def test_git_holds_no_run_output():
+    """Runs write under results/, logs/ and resources/ (ignored); benchmarks/ in git is scripts,
+    their README and recorded figures only."""
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip("not a git checkout")
+    files = r.stdout.splitlines()
+    assert not [f for f in files if f.split("/")[0] in ("results", "logs", "resources", ".snakemake")]
+    allowed = re.compile(r"benchmarks/([a-z0-9_]+\.(py|sh)|README\.md|results/[a-z0-9_]+\.json)")
+    assert [f for f in files if f.startswith("benchmarks/") and not allowed.fullmatch(f)] == []
