@@ -208,3 +208,47 @@ def test_training_refuses_a_draft_vocab_altered_after_it_was_built(tmp_path, tar
             seed=0,
             max_seq_len=256,
         )
+
+
+def test_an_edit_that_sets_the_mtime_back_is_still_caught(tmp_path):
+    """Size, mtime and inode kept (an in-place edit, then utime): the status-change time moved."""
+    import os
+    import time
+
+    import pytest
+
+    from eagle3_pipeline.io import InputError, checked_sha256, file_stat
+
+    f = tmp_path / "x.bin"
+    f.write_bytes(b"abc" * 1000)
+    digest, stat = sha256_file(f), file_stat(f)
+    time.sleep(0.01)
+    with open(f, "r+b") as h:  # same inode, same size
+        h.seek(10)
+        h.write(b"Z")
+    os.utime(f, ns=(stat["mtime_ns"], stat["mtime_ns"]))
+    assert {k: v for k, v in file_stat(f).items() if k != "ctime_ns"} == {k: v for k, v in stat.items() if k != "ctime_ns"}
+    with pytest.raises(InputError, match="its bytes differ"):
+        checked_sha256(f, digest, stat, "rec.json")
+
+
+def test_records_without_a_hash_or_malformed_are_named_not_misread(tmp_path):
+    import pytest
+
+    from eagle3_pipeline.io import InputError, check_recorded_files, checked_sha256, record_files
+
+    f = tmp_path / "x.bin"
+    f.write_bytes(b"abc")
+    with pytest.raises(InputError, match=r"x.bin: idx.json records no SHA-256 for it \(written without a checksum"):
+        checked_sha256(f, None, None, "idx.json")
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(b"w")
+    record_files(d)
+    (d / "extra.safetensors").write_bytes(b"x")  # vLLM would load it too
+    assert check_recorded_files(d) is not None  # a vocab folder holds unrecorded files (coverage.json)
+    with pytest.raises(InputError, match=r"\['extra.safetensors'\] are not among the files .* records"):
+        check_recorded_files(d, exhaustive=True)
+    (d / ".sha256.json").write_text("{not json")
+    with pytest.raises(InputError, match=r"\.sha256\.json: unreadable record"):
+        check_recorded_files(d)

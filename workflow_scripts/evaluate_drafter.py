@@ -15,7 +15,7 @@ if __name__ == "__main__":
     start_log(sm.log[0])
     k = sm.params.num_speculative_tokens
     drafter = str(Path(sm.input.drafter).resolve())
-    check_recorded_files(drafter)  # the bytes training wrote, or an error naming the file (before any engine)
+    check_recorded_files(drafter, exhaustive=True)  # the bytes training wrote, or an error naming the file (before any engine)
     spec = {"method": "eagle3", "model": drafter, "num_speculative_tokens": k}
     # the run's process records (results/<run>/.pids), for a sweep variant's evaluation too
     variant = getattr(sm.wildcards, "variant", None)

@@ -199,12 +199,13 @@ def recorded_traces_sha256(traces_path: str | os.PathLike) -> str:
     Raises:
         InputError: the shard's bytes differ from the recorded ones.
     """
-    from .io import checked_sha256, read_json, sha256_file
+    from .io import checked_sha256, read_record, sha256_file
 
     summary = traces_summary_path(traces_path)
     if not summary.is_file():
+        logger.warning("%s: no %s beside it; hashed, not checked against a record", traces_path, summary.name)
         return sha256_file(traces_path)
-    m = read_json(summary)
+    m = read_record(summary)
     return checked_sha256(traces_path, m.get("traces_sha256"), m.get("traces_stat"), str(summary))
 
 

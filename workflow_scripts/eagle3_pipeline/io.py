@@ -187,10 +187,26 @@ def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
 
 
 def file_stat(path: str | os.PathLike) -> dict:
-    """``{"bytes", "mtime_ns", "inode"}`` of ``path``: recorded beside a file's SHA-256 by its
-    producer, so that a reader can tell the file was not written since it was hashed."""
+    """``{"bytes", "mtime_ns", "ctime_ns", "inode"}`` of ``path``: recorded beside a file's SHA-256 by
+    its producer, so that a reader can tell the file was not written since it was hashed (the
+    status-change time also moves when an edit sets the mtime back, which ``utime`` cannot undo)."""
     st = os.stat(path)
-    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
+    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
+
+
+def read_record(path: str | os.PathLike) -> dict:
+    """A producer's JSON record (an index, a summary, a ``.sha256.json``) as a dict.
+
+    Raises:
+        InputError: the file is not JSON or not an object, naming it and what to do.
+    """
+    try:
+        rec = read_json(path)
+    except (OSError, ValueError) as e:
+        raise InputError(f"{path}: unreadable record ({e}); delete it and the file it describes, and run the workflow again") from None
+    if not isinstance(rec, dict):
+        raise InputError(f"{path}: not a JSON object; delete it and the file it describes, and run the workflow again")
+    return rec
 
 
 _CHECKED: dict[tuple[str, int, int, int], str] = {}  # (path, bytes, mtime_ns, inode) -> sha256 read in this process
@@ -216,8 +232,13 @@ def checked_sha256(path: str | os.PathLike, sha256: str | None, stat: dict | Non
         InputError: the file's size or SHA-256 differs from the record; the message names the
             file, both hashes and how to remake it.
     """
+    if not sha256:
+        raise InputError(
+            f"{path}: {record} records no SHA-256 for it (written without a checksum, or by an older version): "
+            "delete the file and run the workflow again to remake it with one"
+        )
     now = file_stat(path)
-    if sha256 and stat and all(stat.get(k) == now[k] for k in now):
+    if isinstance(stat, dict) and all(stat.get(k) == now[k] for k in now):
         return sha256
     key = (str(Path(path).resolve()), now["bytes"], now["mtime_ns"], now["inode"])
     if key not in _CHECKED:
@@ -246,38 +267,56 @@ def record_files(directory: str | os.PathLike, names: Iterable[str] | None = Non
         the record, ``{relative path: {"sha256", "stat"}}``.
     """
     root = Path(directory)
-    files = (
-        sorted(root / n for n in names)
-        if names is not None
-        else sorted(p for p in root.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
-    )
+    files = sorted(root / n for n in names) if names is not None else _recordable(root)
     record = {p.relative_to(root).as_posix(): {"sha256": sha256_file(p), "stat": file_stat(p)} for p in files}
     write_json_atomic(root / FILES_RECORD, record)
     return record
 
 
-def check_recorded_files(directory: str | os.PathLike) -> dict[str, str] | None:
+def _recordable(root: Path) -> list[Path]:
+    """The files of a directory a record covers: all but dot-files (as the run manifest's directory hash)."""
+    return sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+def check_recorded_files(directory: str | os.PathLike, exhaustive: bool = False) -> dict[str, str] | None:
     """Check the files of ``directory`` against the record its producer wrote (:func:`record_files`)
     before a stage reads them: each by :func:`checked_sha256` (not read again while unwritten since).
 
+    Args:
+        directory: the producer's directory.
+        exhaustive: also refuse a file the record does not list (a drafter directory, whose every
+            file vLLM may load), dot-files aside.
+
     Returns:
         ``{relative path: sha256}``, or None when the directory has no record (written before
-        records were kept, or brought from elsewhere).
+        records were kept, or brought from elsewhere; logged).
 
     Raises:
-        InputError: a recorded file is missing or its bytes differ from the record.
+        InputError: the record is unreadable, a recorded file is missing, its bytes differ from
+            the record, or (``exhaustive``) a file is not in the record.
     """
+    import logging
+
     root = Path(directory)
     rec_path = root / FILES_RECORD
     if not rec_path.is_file():
+        logging.getLogger(__name__).warning("%s: no record of its files (%s); not checked", root, FILES_RECORD)
         return None
-    record = read_json(rec_path)
+    record = read_record(rec_path)
     out = {}
     for rel, r in record.items():
         p = root / rel
         if not p.is_file():
             raise InputError(f"{p}: missing, but {rec_path} records it; run the workflow again to remake {root}")
+        r = r if isinstance(r, dict) else {}
         out[rel] = checked_sha256(p, r.get("sha256"), r.get("stat"), str(rec_path))
+    extra = [p.relative_to(root).as_posix() for p in _recordable(root)] if exhaustive else []
+    extra = [rel for rel in extra if rel not in record]
+    if extra:
+        raise InputError(
+            f"{root}: {extra} are not among the files {rec_path} records (added after it was written); "
+            "remove them, or run the workflow again to remake the directory"
+        )
     return out
 
 

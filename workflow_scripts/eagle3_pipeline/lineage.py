@@ -68,7 +68,7 @@ from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from .io import directory_digest, file_stat, read_json, sha256_file, sha256_json, write_json_atomic
+from .io import directory_digest, file_stat, read_json, read_record, sha256_file, sha256_json, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -209,8 +209,8 @@ def _describe(path: Path, hasher: Hasher, checks: list[dict]) -> dict:
     size = now["bytes"]
     index = _index_of(path)
     if path.suffix == ".safetensors" and index.is_file():
-        m = read_json(index)
-        stat = m.get("stat") or {}
+        m = read_record(index)
+        stat = m.get("stat") if isinstance(m.get("stat"), dict) else {}
         if m.get("sha256") and all(stat.get(k) == now[k] for k in now):  # not written since its index hashed it
             return {"kind": "file", "bytes": size, "sha256": m["sha256"], "hash": "index"}
         digest = hasher.file(path)

@@ -647,7 +647,7 @@ def _train_fingerprint(shards: list[str], vocab_dir: str, target_path: str, cfg:
         InputError: a shard's bytes differ from its index's record, or a vocab file's from
             build_vocab_mapping's record.
     """
-    from .io import check_recorded_files, checked_sha256
+    from .io import check_recorded_files, checked_sha256, read_record
     from .shards import shard_index_path
     from .target_model import quick_identity
 
@@ -655,9 +655,10 @@ def _train_fingerprint(shards: list[str], vocab_dir: str, target_path: str, cfg:
     for p in shards:
         index = shard_index_path(p)
         if index.is_file():
-            m = json.loads(index.read_text())
+            m = read_record(index)
             shard_ids.append(checked_sha256(p, m.get("sha256"), m.get("stat"), str(index)))
         else:
+            logger.warning("%s: no index beside it (%s); hashed, not checked against a record", p, index.name)
             shard_ids.append(sha256_file(p))
     recorded = check_recorded_files(vocab_dir) or {}  # build_vocab_mapping's record, checked
     vocab = [recorded.get(f) or sha256_file(Path(vocab_dir) / f) for f in ("d2t.npy", "t2d.npy")]

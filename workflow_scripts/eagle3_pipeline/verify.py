@@ -50,8 +50,10 @@ def _check_hidden_shard(path: Path, hasher: Hasher) -> list[str]:
         return [f"{index}: manifest missing"]
     m = json.loads(index.read_text())
     problems = []
-    if os.path.getsize(path) != m.get("bytes"):
-        problems.append(f"{path}: {os.path.getsize(path)} bytes, the manifest says {m.get('bytes')} (truncated?)")
+    size = os.path.getsize(path)
+    if size != m.get("bytes"):
+        how = "truncated?" if isinstance(m.get("bytes"), int) and size < m["bytes"] else "replaced?"
+        problems.append(f"{path}: {size} bytes, the manifest says {m.get('bytes')} ({how})")
     digest = hasher.file(path)
     if digest != m.get("sha256"):
         problems.append(f"{path}: sha256 {digest[:12]}… does not match the manifest's {str(m.get('sha256'))[:12]}…")
