@@ -252,3 +252,22 @@ def test_records_without_a_hash_or_malformed_are_named_not_misread(tmp_path):
     (d / ".sha256.json").write_text("{not json")
     with pytest.raises(InputError, match=r"\.sha256\.json: unreadable record"):
         check_recorded_files(d)
+
+
+def test_after_snakemake_touches_an_output_one_consumer_hashes_it_and_the_rest_trust_it(tmp_path, monkeypatch):
+    import os
+
+    from eagle3_pipeline import io
+    from eagle3_pipeline.io import checked_sha256, file_stat
+
+    f = tmp_path / "shard.safetensors"
+    f.write_bytes(b"states" * 1000)
+    digest, stat = sha256_file(f), file_stat(f)
+    os.utime(f)  # what Snakemake does to every output when its job ends (dag.check_and_touch_output)
+    reads = []
+    monkeypatch.setattr(io, "sha256_file", lambda p, *a: reads.append(p) or sha256_file(p))
+    assert checked_sha256(f, digest, stat, "idx.json") == digest and len(reads) == 1  # the first consumer
+    assert checked_sha256(f, digest, stat, "idx.json") == digest and len(reads) == 1  # later ones, other processes too
+    assert json.loads((tmp_path / ".sha256-checked.json").read_text())["shard.safetensors"]["sha256"] == digest
+    os.utime(f)  # touched again: hashed again
+    assert checked_sha256(f, digest, stat, "idx.json") == digest and len(reads) == 2

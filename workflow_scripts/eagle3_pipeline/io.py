@@ -209,15 +209,55 @@ def read_record(path: str | os.PathLike) -> dict:
     return rec
 
 
-_CHECKED: dict[tuple[str, int, int, int], str] = {}  # (path, bytes, mtime_ns, inode) -> sha256 read in this process
+#: Per folder, the files a consumer found equal to their producer's record since they were last
+#: written (name -> {"sha256", "stat"}): Snakemake touches a job's outputs after the job, so the
+#: producer's own stat is stale at once; the first consumer hashes the file, later ones trust this.
+CHECKED_RECORD = ".sha256-checked.json"
+
+
+def _stat_equal(stat: Any, now: dict) -> bool:
+    return isinstance(stat, dict) and all(stat.get(k) == now[k] for k in now)
+
+
+def unchanged_since_checked(path: str | os.PathLike, sha256: str, stat: dict | None) -> bool:
+    """Whether ``path`` is provably the bytes whose SHA-256 is ``sha256`` without reading it: its
+    :func:`file_stat` equals the producer's ``stat``, or the one a consumer recorded in the
+    folder's :data:`CHECKED_RECORD` after hashing it to ``sha256``."""
+    now = file_stat(path)
+    if _stat_equal(stat, now):
+        return True
+    p = Path(path)
+    try:
+        seen = json.loads((p.parent / CHECKED_RECORD).read_text(encoding="utf-8")).get(p.name)
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(seen, dict) and seen.get("sha256") == sha256 and _stat_equal(seen.get("stat"), now)
+
+
+def note_checked(path: str | os.PathLike, sha256: str) -> None:
+    """Record in the folder's :data:`CHECKED_RECORD` that ``path``, as it is now, hashes to ``sha256``
+    (best effort: a folder that cannot be written, or a concurrent writer, only costs a re-hash)."""
+    p = Path(path)
+    rec = p.parent / CHECKED_RECORD
+    try:
+        try:
+            seen = json.loads(rec.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            seen = {}
+        seen = seen if isinstance(seen, dict) else {}
+        seen[p.name] = {"sha256": sha256, "stat": file_stat(p)}
+        write_json_atomic(rec, seen)
+    except OSError:
+        pass
 
 
 def checked_sha256(path: str | os.PathLike, sha256: str | None, stat: dict | None, record: str) -> str:
     """The SHA-256 a producer recorded for ``path``, after checking that the bytes on disk are those.
 
-    When ``stat`` (the producer's :func:`file_stat`) equals the file's, it was not written since
-    it was hashed and ``sha256`` is returned without reading it; otherwise (a copied, touched or
-    altered file, or a record without ``stat``) the file is hashed once per process and compared.
+    When ``stat`` (the producer's :func:`file_stat`) or the stat a consumer noted after hashing it
+    (:func:`unchanged_since_checked`) equals the file's, it was not written since it was hashed and
+    ``sha256`` is returned without reading it; otherwise (a touched, copied or altered file, or a
+    record without ``stat``) the file is hashed, compared, and noted when equal (:func:`note_checked`).
 
     Args:
         path: the file a stage is about to read.
@@ -237,13 +277,10 @@ def checked_sha256(path: str | os.PathLike, sha256: str | None, stat: dict | Non
             f"{path}: {record} records no SHA-256 for it (written without a checksum, or by an older version): "
             "delete the file and run the workflow again to remake it with one"
         )
-    now = file_stat(path)
-    if isinstance(stat, dict) and all(stat.get(k) == now[k] for k in now):
+    if unchanged_since_checked(path, sha256, stat):
         return sha256
-    key = (str(Path(path).resolve()), now["bytes"], now["mtime_ns"], now["inode"])
-    if key not in _CHECKED:
-        _CHECKED[key] = sha256_file(path)
-    digest = _CHECKED[key]
+    now = file_stat(path)
+    digest = sha256_file(path)
     if digest != sha256:
         size = "" if not stat or stat.get("bytes") == now["bytes"] else f" ({now['bytes']} bytes, recorded {stat.get('bytes')})"
         raise InputError(
@@ -251,6 +288,7 @@ def checked_sha256(path: str | os.PathLike, sha256: str | None, stat: dict | Non
             f"{sha256} recorded. The file was altered or damaged after it was written: delete it and run the workflow "
             "again, which remakes it and everything that read it (`snakemake verify` lists every such file)"
         )
+    note_checked(path, sha256)
     return sha256
 
 

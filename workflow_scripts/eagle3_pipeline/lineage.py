@@ -36,11 +36,12 @@ How each ``sha256`` is obtained (``hash``):
 - ``sha256``: the SHA-256 of the file's bytes. Each file is read once per manifest
   (:class:`Hasher`), however many jobs read it.
 - ``index``: a hidden-state shard's SHA-256 as its ``.index.json`` recorded it when
-  extraction wrote the shard, used only while the shard's size, mtime and inode equal the
-  ``stat`` recorded with it (not written since; shards run to hundreds of GB). Otherwise the
-  shard is hashed (``sha256``) and, when its bytes differ from the record, the
-  ``shard_index`` check fails: the manifest never lists a hash nobody computed for the bytes
-  on disk. ``snakemake verify`` re-hashes every shard.
+  extraction wrote the shard, used only while the shard's stat (size, times, inode) equals the
+  one recorded with it or the one a consumer noted after hashing it to that SHA-256
+  (:func:`eagle3_pipeline.io.unchanged_since_checked`: not written since; shards run to
+  hundreds of GB). Otherwise the shard is hashed (``sha256``) and, when its bytes differ from
+  the record, the ``shard_index`` check fails: the manifest never lists a hash nobody computed
+  for the bytes on disk. ``snakemake verify`` re-hashes every shard.
 - ``directory``: SHA-256 over one line ``<relative path>\\0<bytes>\\0<sha256>\\n`` per file,
   sorted by path, dot-files left out (Snakemake's ``.snakemake_timestamp``): what
   :func:`eagle3_pipeline.target_model.model_fingerprint` gives without its size limit.
@@ -68,7 +69,17 @@ from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from .io import directory_digest, file_stat, read_json, read_record, sha256_file, sha256_json, write_json_atomic
+from .io import (
+    directory_digest,
+    file_stat,
+    note_checked,
+    read_json,
+    read_record,
+    sha256_file,
+    sha256_json,
+    unchanged_since_checked,
+    write_json_atomic,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -210,10 +221,11 @@ def _describe(path: Path, hasher: Hasher, checks: list[dict]) -> dict:
     index = _index_of(path)
     if path.suffix == ".safetensors" and index.is_file():
         m = read_record(index)
-        stat = m.get("stat") if isinstance(m.get("stat"), dict) else {}
-        if m.get("sha256") and all(stat.get(k) == now[k] for k in now):  # not written since its index hashed it
+        if m.get("sha256") and unchanged_since_checked(path, m["sha256"], m.get("stat")):  # not written since hashed
             return {"kind": "file", "bytes": size, "sha256": m["sha256"], "hash": "index"}
         digest = hasher.file(path)
+        if digest == m.get("sha256"):
+            note_checked(path, digest)
         if digest != m.get("sha256"):
             checks.append(
                 _check(
