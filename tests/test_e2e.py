@@ -372,9 +372,10 @@ def test_dry_run_is_clean_and_changes_rerun_exactly_the_dependents(run):
         "vllm": {"data_parallel_size": 2, "replicas_per_gpu": 2},
         "extraction": {"chunk_samples": 2, "disk_preflight": False, "data_parallel_size": 2, "gpus_per_replica": 2},
         "training": {"loader_workers": 1, "checkpoint_every_steps": 7},
+        "resources": {"host_lock": False, "threads": 1, "full_model_gpus": 0},
     }
     assert {s: set(v) for s, v in runtime.items()} == {s: set(runtime_keys(s)) for s in runtime}, "a runtime key is not exercised here"
-    assert all(not runtime_keys(s) for s in ("run", "target", "prompts", "vocab", "evaluation", "resources", "sweep") if s not in runtime)
+    assert all(not runtime_keys(s) for s in ("run", "target", "prompts", "vocab", "evaluation", "sweep") if s not in runtime)
     changed = {s: {**SMALL.get(s, {}), **v} for s, v in runtime.items()}
     assert dry_run_jobs(wd, _changed(wd, "runtime", **changed)) == Counter()
     # draft vocab size: vocab, training, evaluation; traces and hidden states are kept
