@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from e2e_support import ROOT, SMALL, make_workdir, run_api
+from train_support import backends_vs_fp32
 
 QWEN3_TOKENIZER = ROOT / "resources" / "tokenizers" / "qwen3"
 
@@ -119,9 +120,5 @@ def test_both_extraction_backends_agree_on_a_qwen3_target(tmp_path, qwen3_target
         extract_hf(load_hf_target(str(qwen3_target), "cpu").float(), sh, layers, batch_tokens=4096, storage_dtype=torch.float32)
     )
     H, V = torch.cat(hh).float(), torch.cat(hv).float()
-    for k, layer in enumerate(layers):
-        r = ref[:, k]
-        rms = r.pow(2).mean().sqrt()
-        err_hf = ((H[:, k] - r).pow(2).mean().sqrt() / rms).item()
-        err_vllm = ((V[:, k] - r).pow(2).mean().sqrt() / rms).item()
+    for layer, err_hf, err_vllm in backends_vs_fp32(ref, H, V, layers):
         assert err_hf < 0.02 and err_vllm <= 1.5 * err_hf + 1e-3, f"layer {layer}: vLLM rel RMS {err_vllm:.4f}, hf {err_hf:.4f}"

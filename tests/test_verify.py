@@ -114,32 +114,31 @@ def test_a_recorded_hash_is_trusted_only_while_the_file_is_unwritten(tmp_path, m
     assert f"sha256 {sha256_file(f)} on disk, {digest} recorded" in str(e.value) and "delete it and run the workflow again" in str(e.value)
 
 
+def _train_small(tmp_path, shard, target_dir):
+    """train() on ``shard`` and ``tmp_path/vocab``: 1 epoch of AdamW (it stops at its input checks here)."""
+    from eagle3_pipeline.config import validate_config
+    from eagle3_pipeline.training import train
+
+    cfg = validate_config({"training": {"epochs": 1, "pack_tokens": 256, "optimizer": "adamw"}})["training"]
+    train(
+        [str(shard)], str(tmp_path / "vocab"), str(target_dir), str(tmp_path / "d"), str(tmp_path / "m.jsonl"), cfg, seed=0, max_seq_len=256
+    )
+
+
 def test_training_refuses_a_shard_altered_after_extraction(tmp_path, target_dir):
     import pytest
     from train_support import write_random_train_inputs
 
-    from eagle3_pipeline.config import validate_config
     from eagle3_pipeline.io import InputError
-    from eagle3_pipeline.training import train
 
     shard = write_random_train_inputs(tmp_path, 4)
     index = json.loads((tmp_path / "shard-00000.index.json").read_text())
     _flip_byte(shard, shard.stat().st_size - 3)  # inside the last tensor's bytes: still a readable shard
-    cfg = validate_config({"training": {"epochs": 1, "pack_tokens": 256, "optimizer": "adamw"}})["training"]
     with pytest.raises(
         InputError,
         match=rf"its bytes differ .* recorded in {tmp_path / 'shard-00000.index.json'}: sha256 [0-9a-f]{{64}} on disk, {index['sha256']} recorded",
     ):
-        train(
-            [str(shard)],
-            str(tmp_path / "vocab"),
-            str(target_dir),
-            str(tmp_path / "d"),
-            str(tmp_path / "m.jsonl"),
-            cfg,
-            seed=0,
-            max_seq_len=256,
-        )
+        _train_small(tmp_path, shard, target_dir)
     assert not (tmp_path / "d").exists()
 
 
@@ -187,27 +186,15 @@ def test_training_refuses_a_draft_vocab_altered_after_it_was_built(tmp_path, tar
     import pytest
     from train_support import write_random_train_inputs
 
-    from eagle3_pipeline.config import validate_config
     from eagle3_pipeline.io import InputError, record_files
-    from eagle3_pipeline.training import train
 
     shard = write_random_train_inputs(tmp_path, 4)
     record_files(tmp_path / "vocab", ["d2t.npy", "t2d.npy"])  # as build_vocab_mapping does
     d2t = np.load(tmp_path / "vocab" / "d2t.npy")
     d2t[5] += 1
     np.save(tmp_path / "vocab" / "d2t.npy", d2t)
-    cfg = validate_config({"training": {"epochs": 1, "pack_tokens": 256, "optimizer": "adamw"}})["training"]
     with pytest.raises(InputError, match=r"vocab/d2t.npy: its bytes differ from what its producer recorded"):
-        train(
-            [str(shard)],
-            str(tmp_path / "vocab"),
-            str(target_dir),
-            str(tmp_path / "d"),
-            str(tmp_path / "m.jsonl"),
-            cfg,
-            seed=0,
-            max_seq_len=256,
-        )
+        _train_small(tmp_path, shard, target_dir)
 
 
 def test_an_edit_that_sets_the_mtime_back_is_still_caught(tmp_path):

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from train_support import backends_vs_fp32
 
 from eagle3_pipeline.config import validate_config
 from eagle3_pipeline.conventions import loss_mask
@@ -176,11 +177,7 @@ def test_vllm_backend_matches_hf_backend_and_an_fp32_forward(tmp_path, target_di
     model = load_hf_target(str(target_dir), "cpu").float()
     ref = torch.cat(extract_hf(model, sh, layers, batch_tokens=4096, storage_dtype=torch.float32))
     H, V = torch.cat(hh).float(), torch.cat(hv).float()
-    for k, layer in enumerate(layers):
-        r = ref[:, k]
-        rms = r.pow(2).mean().sqrt()
-        err_hf = ((H[:, k] - r).pow(2).mean().sqrt() / rms).item()
-        err_vllm = ((V[:, k] - r).pow(2).mean().sqrt() / rms).item()
+    for k, (layer, err_hf, err_vllm) in enumerate(backends_vs_fp32(ref, H, V, layers)):
         assert err_vllm <= 1.5 * err_hf + 1e-3, f"layer {layer}: vLLM rel RMS error {err_vllm:.4f} vs hf bf16 {err_hf:.4f}"
         max_diff = (V[:, k] - H[:, k]).abs().max().item()
         ulp = _bf16_ulp(H[:, k].abs().max().item())

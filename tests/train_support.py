@@ -32,3 +32,15 @@ def write_random_train_inputs(d: Path, num_samples: int) -> Path:
     save_npy_atomic(d / "vocab" / "d2t.npy", d2t)
     save_npy_atomic(d / "vocab" / "t2d.npy", t2d)
     return shard
+
+
+def backends_vs_fp32(ref, hf, vllm, layers) -> list[tuple[int, float, float]]:
+    """Per stored layer, ``(layer id, hf error, vllm error)``: each backend's states ``[T, L, H]``
+    against a float32 forward's ``ref``, as root-mean-square error relative to the reference's RMS
+    (bf16 storage alone gives ~0.3%)."""
+    out = []
+    for k, layer in enumerate(layers):
+        r = ref[:, k]
+        rms = r.pow(2).mean().sqrt()
+        out.append((layer, ((hf[:, k] - r).pow(2).mean().sqrt() / rms).item(), ((vllm[:, k] - r).pow(2).mean().sqrt() / rms).item()))
+    return out
