@@ -167,11 +167,13 @@ def test_full_model_jobs_are_not_serialized_by_the_workflow_on_slurm(slurm_run):
 
 
 def _json_without_run_specifics(path: Path, wd: Path):
-    """JSON with wall-clock and memory figures dropped, the run directory replaced by <wd> and start plans' times by <time>."""
+    """JSON with wall-clock and memory figures and file stats (inode, times) dropped, the run directory replaced by <wd>
+    and start plans' times by <time>."""
 
     def norm(x):
         if isinstance(x, dict):
-            return {k: norm(v) for k, v in x.items() if not re.search(r"seconds|per_second|speedup|over_estimate|peak_", k)}
+            drop = r"seconds|per_second|speedup|over_estimate|peak_|^stat$|_stat$"
+            return {k: norm(v) for k, v in x.items() if not re.search(drop, k)}
         if isinstance(x, list):
             return [norm(v) for v in x]
         if isinstance(x, str):  # the run directory, and the start plan's name (its UTC start time)
@@ -188,8 +190,14 @@ def test_outputs_equal_the_local_run(slurm_run, request):
     local_wd, _, local = request.getfixturevalue("e2e_run")
     remote = slurm_run.res
 
-    def outputs(res):  # what the jobs wrote: not the plans, which each invocation makes (start time, `snakemake plan`)
-        return sorted(f for f in (p.relative_to(res) for p in res.rglob("*") if p.is_file()) if f.parts[0] not in ("plans", "plan.json"))
+    def outputs(res):
+        """What the jobs wrote: not the plans, which each invocation makes (start time, `snakemake plan`), nor the
+        integrity records beside outputs (``.sha256*.json``: stats of files on this disk, notes of later checks)."""
+        return sorted(
+            f
+            for f in (p.relative_to(res) for p in res.rglob("*") if p.is_file() and not p.name.startswith(".sha256"))
+            if f.parts[0] not in ("plans", "plan.json")
+        )
 
     files = outputs(local)
     assert files == outputs(remote)
