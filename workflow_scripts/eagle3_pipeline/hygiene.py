@@ -141,9 +141,9 @@ def cleanup_stale_processes(pid_dir: str | os.PathLike, grace_seconds: float = 5
     ended: list[int] = []
     for f in sorted(Path(pid_dir).glob("*.json")) if Path(pid_dir).is_dir() else []:
         rec = json.loads(f.read_text())
-        if _same_process(rec["pid"], rec["create_time"]):
+        if same_process(rec["pid"], rec["create_time"]):
             continue  # that stage is still running
-        procs = [psutil.Process(c["pid"]) for c in rec["children"] if _same_process(c["pid"], c["create_time"])]
+        procs = [psutil.Process(c["pid"]) for c in rec["children"] if same_process(c["pid"], c["create_time"])]
         for p in procs:
             logger.warning("ending pid %d (%s) left by a killed stage (record %s)", p.pid, p.name(), f)
             with contextlib.suppress(psutil.NoSuchProcess):
@@ -157,7 +157,9 @@ def cleanup_stale_processes(pid_dir: str | os.PathLike, grace_seconds: float = 5
     return ended
 
 
-def _same_process(pid: int, create_time: float) -> bool:
+def same_process(pid: int, create_time: float) -> bool:
+    """Whether process ``pid`` still runs and is the one started at ``create_time`` (psutil's
+    seconds since the epoch): a pid reused since has another start time."""
     import psutil
 
     try:

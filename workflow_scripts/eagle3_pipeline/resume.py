@@ -98,7 +98,7 @@ class ChunkStore:
         """Delete the chunk directory (after the final output is written)."""
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def finish(self, outputs: Sequence[str | os.PathLike], parents: Sequence[tuple[int, str]]) -> None:
+    def finish(self, outputs: Sequence[str | os.PathLike], parents: Sequence[tuple[int, float]]) -> None:
         """End the job: delete the store, or, when the snakemake that started the job has ended
         (:func:`orphaned`), keep it, with hard links to the finished ``outputs`` (none: the
         chunks alone, which a rerun assembles again), for the rerun.
@@ -141,36 +141,20 @@ class ChunkStore:
         return True
 
 
-def _proc_start(pid: int) -> str | None:
-    """The start time of process ``pid`` (``/proc/<pid>/stat`` field 22), or None if it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
+def ancestors() -> list[tuple[int, float]]:
+    """``(pid, create time)`` of this process's parent, its parent, ... (psutil): recorded when a
+    job starts, for :func:`orphaned`."""
+    import psutil
+
+    return [(p.pid, p.create_time()) for p in psutil.Process().parents() if p.pid > 1]
 
 
-def ancestors() -> list[tuple[int, str]]:
-    """``(pid, start time)`` of this process's parent, its parent, ... up to (not including) init:
-    recorded when a job starts, for :func:`orphaned`. Empty where ``/proc`` is not readable."""
-    out, pid = [], os.getppid()
-    while pid > 1:
-        start = _proc_start(pid)
-        if start is None:
-            break
-        out.append((pid, start))
-        try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
-    return out
-
-
-def orphaned(parents: Sequence[tuple[int, str]]) -> bool:
+def orphaned(parents: Sequence[tuple[int, float]]) -> bool:
     """True when a process of ``parents`` (:func:`ancestors` at the job's start) has ended: the
-    snakemake that runs the job, or a shell between them, was killed (a pid reused since has
-    another start time)."""
-    return any(_proc_start(pid) != start for pid, start in parents)
+    snakemake that runs the job, or a shell between them, was killed."""
+    from .hygiene import same_process
+
+    return not all(same_process(pid, start) for pid, start in parents)
 
 
 def _fault(var: str) -> int | None:
