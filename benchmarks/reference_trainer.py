@@ -164,7 +164,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configfile", nargs="+", default=[str(ROOT / "config" / "config.yaml")])
     ap.add_argument("--config", nargs="*", default=[], help="YAML snippets applied last")
-    ap.add_argument("--stage", choices=["export", "train", "all"], default="all")
+    ap.add_argument(
+        "--stage",
+        choices=["export", "train", "rows", "all"],
+        default="all",
+        help="rows: only the vLLM/offline rows, for the drafter a --stage train run recorded in --out",
+    )
+    ap.add_argument("--ours-rows", help="a drafter_gap.py --out JSON of the run's own drafter: its rows instead of measuring again")
     ap.add_argument("--prompts", type=int, default=200, help="validation prompts for the vLLM rows")
     ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "reference_trainer"))
     ap.add_argument("--deadline", type=float, help="seconds for each drafter's rows (a leased GPU)")
@@ -183,25 +189,36 @@ def main() -> None:
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
-    t = time.perf_counter()
-    exported = export_for_speculators(shards, cfg["training"]["val_fraction"], cfg["training"]["aux_layer_ids"], work / "data")
-    result["export"] = {k: v for k, v in exported.items() if k != "ids"} | {"seconds": round(time.perf_counter() - t, 1)}
-    print(f"exported {exported['samples']} samples to {work / 'data'}", flush=True)
-    save()
-    if args.stage == "export":
-        return
-    ours_summary = run / "train" / "summary.json"
-    result["ours"] = {"drafter": str((run / "drafter").resolve())}
-    if ours_summary.exists():
-        s = json.loads(ours_summary.read_text())
-        result["ours"] |= {k: s.get(k) for k in ("seconds", "total_seconds", "steps", "tokens_seen")}
-    result["speculators"] = train_speculators(
-        cfg, target, work / "data", run / "vocab", exported["aux_layer_ids"], exported["train_data_ratio"], work / "speculators"
-    )
-    save()
-    if args.stage == "train":
-        return
-    for name in ("ours", "speculators"):
+    if args.stage == "rows":  # the drafter a --stage train run recorded
+        if not (args.out and Path(args.out).exists()):
+            sys.exit("--stage rows reads the speculators drafter from --out, written by --stage train")
+        before = json.loads(Path(args.out).read_text())
+        result |= {k: v for k, v in before.items() if k in ("command", "export", "ours", "speculators")}
+        result["rows_command"] = " ".join(["python", *sys.argv])
+    else:
+        t = time.perf_counter()
+        exported = export_for_speculators(shards, cfg["training"]["val_fraction"], cfg["training"]["aux_layer_ids"], work / "data")
+        result["export"] = {k: v for k, v in exported.items() if k != "ids"} | {"seconds": round(time.perf_counter() - t, 1)}
+        print(f"exported {exported['samples']} samples to {work / 'data'}", flush=True)
+        save()
+        if args.stage == "export":
+            return
+        ours_summary = run / "train" / "summary.json"
+        result["ours"] = {"drafter": str((run / "drafter").resolve())}
+        if ours_summary.exists():
+            s = json.loads(ours_summary.read_text())
+            result["ours"] |= {k: s.get(k) for k in ("seconds", "total_seconds", "steps", "tokens_seen")}
+        result["speculators"] = train_speculators(
+            cfg, target, work / "data", run / "vocab", exported["aux_layer_ids"], exported["train_data_ratio"], work / "speculators"
+        )
+        save()
+        if args.stage == "train":
+            return
+    if args.ours_rows:  # the same rows, measured by drafter_gap.py on the same drafter
+        rows = json.loads(Path(args.ours_rows).read_text())["rows"]
+        result["ours"]["rows"] = {n: {k: v for k, v in r.items() if k != "settings"} for n, r in rows.items()}
+        result["ours"]["rows_from"] = args.ours_rows
+    for name in [n for n in ("ours", "speculators") if "rows" not in result[n]]:
         result[name]["rows"] = gap_rows(
             args.configfile, args.config, result[name]["drafter"], args.prompts, work / f"gap-{name}", args.deadline
         )
