@@ -3,12 +3,12 @@ rule build_vocab_mapping:
         traces=get_trace_shards,
         target=get_target_dir(),
     output:
-        d2t=f"results/{RUN}/vocab/d2t.npy",
-        t2d=f"results/{RUN}/vocab/t2d.npy",
-        token_freq=f"results/{RUN}/vocab/token_freq.npy",
-        coverage=f"results/{RUN}/vocab/coverage.json",
+        d2t=layout.vocab("d2t"),
+        t2d=layout.vocab("t2d"),
+        token_freq=layout.vocab("token_freq"),
+        coverage=layout.coverage(),
     log:
-        f"logs/{RUN}/build_vocab_mapping.log",
+        layout.log("build_vocab_mapping"),
     conda:
         "../envs/cpu.yaml"
     params:

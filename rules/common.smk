@@ -16,7 +16,7 @@ from eagle3_pipeline.config import (
 )
 from eagle3_pipeline.io import InputError
 from eagle3_pipeline.parallel import replica_gpus
-from eagle3_pipeline.plan import BENCHMARKS, benchmark_dir
+from eagle3_pipeline.layout import BUILTIN_TARGET_DIR, RunLayout
 from eagle3_pipeline.prompts import sources_digest
 from eagle3_pipeline.sweep import (
     changes,
@@ -47,11 +47,9 @@ config.update(_validated)
 workflow.global_resources.setdefault("full_model", 1)
 
 RUN = config["run"]
-BENCH = benchmark_dir(
-    RUN
-)  # Snakemake's per-job benchmark files (plan.BENCHMARKS names them)
+# every path under results/<run>/ and logs/<run>/ (eagle3_pipeline/layout.py)
+layout = RunLayout(RUN)
 SHARDS = [f"{i:05d}" for i in range(config["prompts"]["num_shards"])]
-BUILTIN_TARGET_DIR = "resources/models/smollm2-135m-instruct"
 _V = config["vllm"]
 _ENGINE_GPUS = _V["tensor_parallel_size"] * _V["pipeline_parallel_size"]
 _X = config["extraction"]
@@ -193,39 +191,27 @@ def get_init_drafter_identity(cfg=None):
 
 
 def get_prompt_shard(wildcards):
-    return f"results/{RUN}/prompts/shard-{wildcards.shard}.jsonl"
+    return layout.prompt_shard(wildcards.shard)
 
 
 def get_trace_shards(wildcards):
-    return expand("results/{run}/traces/shard-{shard}.jsonl", run=RUN, shard=SHARDS)
+    return [layout.traces(s) for s in SHARDS]
 
 
 def get_trace_shard(wildcards):
-    return f"results/{RUN}/traces/shard-{wildcards.shard}.jsonl"
+    return layout.traces(wildcards.shard)
 
 
 def get_hidden_state_shards(wildcards):
-    return expand(
-        "results/{run}/hidden_states/shard-{shard}.safetensors",
-        run=RUN,
-        shard=SHARDS,
-    )
+    return [layout.hidden_states(s) for s in SHARDS]
 
 
 def get_trace_summaries(wildcards):
-    return expand(
-        "results/{run}/traces/shard-{shard}.summary.json",
-        run=RUN,
-        shard=SHARDS,
-    )
+    return [layout.trace_summary(s) for s in SHARDS]
 
 
 def get_hidden_state_indexes(wildcards):
-    return expand(
-        "results/{run}/hidden_states/shard-{shard}.index.json",
-        run=RUN,
-        shard=SHARDS,
-    )
+    return [layout.hidden_index(s) for s in SHARDS]
 
 
 def get_num_speculative_tokens(cfg=None):
@@ -240,24 +226,27 @@ def eval_vllm_params(cfg=None):
     return VLLM_PARAMS | ({} if eager is None else {"enforce_eager": eager})
 
 
-def variant_vocab_dir(variant):
-    """The folder of a variant's draft vocab: the run's own unless its vocab settings differ."""
-    own = shares_vocab(config, VARIANTS[variant])
-    return f"results/{RUN}/vocab" if own else f"results/{RUN}/sweep/{variant}/vocab"
+def vocab_layout(variant):
+    """The layout whose draft vocab a variant uses: the run's own unless its vocab settings differ."""
+    shared = shares_vocab(config, VARIANTS[variant])
+    return layout if shared else layout.variant(variant)
+
+
+def drafter_layout(variant):
+    """The layout whose drafter a variant uses: the run's own unless vocab or training differ."""
+    shared = shares_drafter(config, VARIANTS[variant])
+    return layout if shared else layout.variant(variant)
 
 
 def get_variant_vocab(wildcards):
     """A variant's d2t and t2d (training's inputs)."""
-    base = variant_vocab_dir(wildcards.variant)
-    return {k: f"{base}/{k}.npy" for k in ("d2t", "t2d")}
+    return {k: vocab_layout(wildcards.variant).vocab(k) for k in ("d2t", "t2d")}
 
 
 def get_variant_drafter(wildcards):
-    """A variant's drafter and its training summary: the run's own unless vocab or training differ."""
-    v = wildcards.variant
-    own = shares_drafter(config, VARIANTS[v])
-    base = f"results/{RUN}" if own else f"results/{RUN}/sweep/{v}"
-    return {"drafter": f"{base}/drafter", "train_summary": f"{base}/train/summary.json"}
+    """A variant's drafter and its training summary."""
+    own = drafter_layout(wildcards.variant)
+    return {"drafter": own.drafter(), "train_summary": own.train_summary()}
 
 
 def get_sweep_rows():
@@ -268,9 +257,9 @@ def get_sweep_rows():
             "name": "(run)",
             "changes": {},
             "shared": False,
-            "acceptance": f"results/{RUN}/eval/acceptance.json",
-            "train_summary": f"results/{RUN}/train/summary.json",
-            "coverage": f"results/{RUN}/vocab/coverage.json",
+            "acceptance": layout.acceptance(),
+            "train_summary": layout.train_summary(),
+            "coverage": layout.coverage(),
         }
     ]
     for v, cfg in VARIANTS.items():
@@ -279,11 +268,9 @@ def get_sweep_rows():
                 "name": v,
                 "changes": changes(config, cfg),
                 "shared": shares_drafter(config, cfg),
-                "acceptance": f"results/{RUN}/sweep/{v}/eval/acceptance.json",
-                "train_summary": get_variant_drafter(SimpleNamespace(variant=v))[
-                    "train_summary"
-                ],
-                "coverage": f"{variant_vocab_dir(v)}/coverage.json",
+                "acceptance": layout.variant(v).acceptance(),
+                "train_summary": drafter_layout(v).train_summary(),
+                "coverage": vocab_layout(v).coverage(),
             }
         )
     return rows
@@ -298,9 +285,9 @@ def get_final_outputs():
     interrupted `--forcerun train_drafter`) trains it again rather than report nothing to do.
     """
     return [
-        f"results/{RUN}/drafter",
-        f"results/{RUN}/eval/acceptance.json",
-        f"results/{RUN}/summary.json",
+        layout.drafter(),
+        layout.acceptance(),
+        layout.summary(),
         *rules.plot_run.output,
         *rules.write_manifest.output,
         *(rules.sweep_table.output if VARIANTS else []),
@@ -420,19 +407,18 @@ def print_plan():
         needrun_jobs,
         plan_dict,
         plan_run,
-        start_plan_path,
     )
 
     try:
         jobs = needrun_jobs(workflow)
         target = None if is_builtin_target() else get_target_dir()
-        stages, platform = plan_run(config, target, f"results/{RUN}", jobs)
+        stages, platform = plan_run(config, target, layout.dir, jobs)
     except Exception as e:  # a plan is advice: never stop a run over it
         print(f"(no plan: {type(e).__name__}: {e})", file=sys.stderr)
         return
     if all(s.done for s in stages):
         return
-    path = start_plan_path(f"results/{RUN}")
+    path = layout.start_plan()
     try:
         write_json_atomic(path, plan_dict(stages, platform, jobs, kind="start"))
     except OSError as e:
@@ -459,12 +445,12 @@ def print_resume_hint():
     if targets == {"verify"}:
         return
     try:
-        kept = kept_work(f"results/{RUN}")
+        kept = kept_work(layout.dir)
     except OSError as e:
         kept = [f"(could not list: {e})"]
     print(
         "\nThe run stopped before it finished. Rerun the same command to resume"
         + (": kept for the rerun,\n  " + "\n  ".join(kept) if kept else ".")
-        + f"\nEach job's log is under logs/{RUN}/ (Snakemake replaces a job's log when it reruns the job).",
+        + f"\nEach job's log is under {layout.log_dir}/ (Snakemake replaces a job's log when it reruns the job).",
         file=sys.stderr,
     )

@@ -1,17 +1,17 @@
 rule evaluate_drafter:
     input:
-        drafter=f"results/{RUN}/drafter",
-        prompts=f"results/{RUN}/eval/prompts.jsonl",
-        train_summary=f"results/{RUN}/train/summary.json",
+        drafter=layout.drafter(),
+        prompts=layout.eval_prompts(),
+        train_summary=layout.train_summary(),
         target=get_target_dir(),
     output:
-        acceptance=f"results/{RUN}/eval/acceptance.json",
-        outputs=f"results/{RUN}/eval/outputs.jsonl",
-        rejects=f"results/{RUN}/eval/rejects.jsonl",
+        acceptance=layout.acceptance(),
+        outputs=layout.eval_outputs(),
+        rejects=layout.eval_rejects(),
     log:
-        f"logs/{RUN}/evaluate_drafter.log",
+        layout.log("evaluate_drafter"),
     benchmark:
-        f"{BENCH}/{BENCHMARKS['evaluate_drafter']}"
+        layout.benchmark("evaluate_drafter")
     priority: RUN_PRIORITY
     conda:
         "../envs/cpu.yaml"

@@ -3,12 +3,12 @@ rule extract_hidden_states:
         traces=get_trace_shard,
         target=get_target_dir(),
     output:
-        shard=f"results/{RUN}/hidden_states/shard-{{shard}}.safetensors",
-        index=f"results/{RUN}/hidden_states/shard-{{shard}}.index.json",
+        shard=layout.hidden_states("{shard}"),
+        index=layout.hidden_index("{shard}"),
     log:
-        f"logs/{RUN}/extract_hidden_states/shard-{{shard}}.log",
+        layout.log("extract_hidden_states", "{shard}"),
     benchmark:
-        f"{BENCH}/{BENCHMARKS['extract_hidden_states']}"
+        layout.benchmark("extract_hidden_states", "{shard}")
     conda:
         "../envs/cpu.yaml"
     threads: THREADS

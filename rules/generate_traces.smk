@@ -3,13 +3,13 @@ rule generate_traces:
         prompts=get_prompt_shard,
         target=get_target_dir(),
     output:
-        traces=f"results/{RUN}/traces/shard-{{shard}}.jsonl",
-        rejects=f"results/{RUN}/traces/shard-{{shard}}.rejects.jsonl",
-        summary=f"results/{RUN}/traces/shard-{{shard}}.summary.json",
+        traces=layout.traces("{shard}"),
+        rejects=layout.trace_rejects("{shard}"),
+        summary=layout.trace_summary("{shard}"),
     log:
-        f"logs/{RUN}/generate_traces/shard-{{shard}}.log",
+        layout.log("generate_traces", "{shard}"),
     benchmark:
-        f"{BENCH}/{BENCHMARKS['generate_traces']}"
+        layout.benchmark("generate_traces", "{shard}")
     conda:
         "../envs/cpu.yaml"
     threads: THREADS

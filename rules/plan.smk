@@ -3,14 +3,14 @@
 # its own start plan under results/<run>/plans/ (onstart).
 rule plan:
     log:
-        f"logs/{RUN}/plan.log",
+        layout.log("plan"),
     localrule: True
     conda:
         "../envs/cpu.yaml"
     params:
         target_dir=get_target_dir(),
-        run_dir=f"results/{RUN}",
-        plan_json=f"results/{RUN}/plan.json",
+        run_dir=layout.dir,
+        plan_json=layout.plan_preview(),
         snakefile=workflow.main_snakefile,
     script:
         "../workflow_scripts/plan.py"

@@ -1,10 +1,10 @@
 rule prepare_prompts:
     output:
-        shards=expand(f"results/{RUN}/prompts/shard-{{shard}}.jsonl", shard=SHARDS),
-        rejects=f"results/{RUN}/prompts/rejects.jsonl",
-        summary=f"results/{RUN}/prompts/summary.json",
+        shards=[layout.prompt_shard(s) for s in SHARDS],
+        rejects=layout.prompt_rejects(),
+        summary=layout.prompt_summary(),
     log:
-        f"logs/{RUN}/prepare_prompts.log",
+        layout.log("prepare_prompts"),
     conda:
         "../envs/cpu.yaml"
     params:
@@ -17,9 +17,9 @@ rule prepare_prompts:
 
 rule prepare_eval_prompts:
     output:
-        f"results/{RUN}/eval/prompts.jsonl",
+        layout.eval_prompts(),
     log:
-        f"logs/{RUN}/prepare_eval_prompts.log",
+        layout.log("prepare_eval_prompts"),
     conda:
         "../envs/cpu.yaml"
     params:

@@ -2,9 +2,9 @@ rule prepare_target_model:
     output:
         directory(BUILTIN_TARGET_DIR),
     log:
-        "logs/prepare_target_model.log",
+        layout.target_model_log(),
     benchmark:
-        "logs/prepare_target_model.benchmark.tsv"
+        layout.target_model_benchmark()
     conda:
         "../envs/cpu.yaml"
     threads: THREADS

@@ -1,15 +1,15 @@
 rule summarize_run:
     input:
-        prompts=f"results/{RUN}/prompts/summary.json",
+        prompts=layout.prompt_summary(),
         traces=get_trace_summaries,
-        coverage=f"results/{RUN}/vocab/coverage.json",
+        coverage=layout.coverage(),
         hidden_indexes=get_hidden_state_indexes,
-        train=f"results/{RUN}/train/summary.json",
-        acceptance=f"results/{RUN}/eval/acceptance.json",
+        train=layout.train_summary(),
+        acceptance=layout.acceptance(),
     output:
-        f"results/{RUN}/summary.json",
+        layout.summary(),
     log:
-        f"logs/{RUN}/summarize_run.log",
+        layout.log("summarize_run"),
     conda:
         "../envs/cpu.yaml"
     script:

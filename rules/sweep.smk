@@ -1,16 +1,18 @@
 # Drafter variants of the run (config sweep.variants): the vocab, training and evaluation
 # rules again, on the run's traces and hidden states, with each variant's settings; outputs
 # under results/<run>/sweep/<variant>/. Library: workflow_scripts/eagle3_pipeline/sweep.py.
+# Each variant's files: the run's layout rooted at sweep/<variant>/ (layout.variant).
+VARIANT = layout.variant("{variant}")
 
 
 use rule build_vocab_mapping as build_vocab_mapping_variant with:
     output:
-        d2t=f"results/{RUN}/sweep/{{variant}}/vocab/d2t.npy",
-        t2d=f"results/{RUN}/sweep/{{variant}}/vocab/t2d.npy",
-        token_freq=f"results/{RUN}/sweep/{{variant}}/vocab/token_freq.npy",
-        coverage=f"results/{RUN}/sweep/{{variant}}/vocab/coverage.json",
+        d2t=VARIANT.vocab("d2t"),
+        t2d=VARIANT.vocab("t2d"),
+        token_freq=VARIANT.vocab("token_freq"),
+        coverage=VARIANT.coverage(),
     log:
-        f"logs/{RUN}/sweep/{{variant}}/build_vocab_mapping.log",
+        VARIANT.log("build_vocab_mapping"),
     params:
         trust_remote_code=config["target"]["trust_remote_code"],
         draft_vocab_size=lambda w: VARIANTS[w.variant]["vocab"]["draft_vocab_size"],
@@ -24,13 +26,13 @@ use rule train_drafter as train_drafter_variant with:
         shards=get_hidden_state_shards,
         target=get_target_dir(),
     output:
-        drafter=directory(f"results/{RUN}/sweep/{{variant}}/drafter"),
-        metrics=f"results/{RUN}/sweep/{{variant}}/train/metrics.jsonl",
-        summary=f"results/{RUN}/sweep/{{variant}}/train/summary.json",
+        drafter=directory(VARIANT.drafter()),
+        metrics=VARIANT.train_metrics(),
+        summary=VARIANT.train_summary(),
     log:
-        f"logs/{RUN}/sweep/{{variant}}/train_drafter.log",
+        VARIANT.log("train_drafter"),
     benchmark:
-        f"{BENCH}/sweep/{{variant}}/{BENCHMARKS['train_drafter']}"
+        VARIANT.benchmark("train_drafter")
     priority: VARIANT_TRAIN_PRIORITY
     params:
         trust_remote_code=config["target"]["trust_remote_code"],
@@ -44,16 +46,16 @@ use rule train_drafter as train_drafter_variant with:
 use rule evaluate_drafter as evaluate_drafter_variant with:
     input:
         unpack(get_variant_drafter),
-        prompts=f"results/{RUN}/eval/prompts.jsonl",
+        prompts=layout.eval_prompts(),
         target=get_target_dir(),
     output:
-        acceptance=f"results/{RUN}/sweep/{{variant}}/eval/acceptance.json",
-        outputs=f"results/{RUN}/sweep/{{variant}}/eval/outputs.jsonl",
-        rejects=f"results/{RUN}/sweep/{{variant}}/eval/rejects.jsonl",
+        acceptance=VARIANT.acceptance(),
+        outputs=VARIANT.eval_outputs(),
+        rejects=VARIANT.eval_rejects(),
     log:
-        f"logs/{RUN}/sweep/{{variant}}/evaluate_drafter.log",
+        VARIANT.log("evaluate_drafter"),
     benchmark:
-        f"{BENCH}/sweep/{{variant}}/{BENCHMARKS['evaluate_drafter']}"
+        VARIANT.benchmark("evaluate_drafter")
     priority: VARIANT_EVAL_PRIORITY
     params:
         trust_remote_code=config["target"]["trust_remote_code"],
@@ -72,10 +74,10 @@ rule sweep_table:
         train_summary=[r["train_summary"] for r in get_sweep_rows()],
         coverage=[r["coverage"] for r in get_sweep_rows()],
     output:
-        json=f"results/{RUN}/sweep.json",
-        table=f"results/{RUN}/sweep.md",
+        json=layout.sweep_json(),
+        table=layout.sweep_table(),
     log:
-        f"logs/{RUN}/sweep_table.log",
+        layout.log("sweep_table"),
     conda:
         "../envs/cpu.yaml"
     params:

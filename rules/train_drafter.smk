@@ -1,17 +1,17 @@
 rule train_drafter:
     input:
         shards=get_hidden_state_shards,
-        d2t=f"results/{RUN}/vocab/d2t.npy",
-        t2d=f"results/{RUN}/vocab/t2d.npy",
+        d2t=layout.vocab("d2t"),
+        t2d=layout.vocab("t2d"),
         target=get_target_dir(),
     output:
-        drafter=directory(f"results/{RUN}/drafter"),
-        metrics=f"results/{RUN}/train/metrics.jsonl",
-        summary=f"results/{RUN}/train/summary.json",
+        drafter=directory(layout.drafter()),
+        metrics=layout.train_metrics(),
+        summary=layout.train_summary(),
     log:
-        f"logs/{RUN}/train_drafter.log",
+        layout.log("train_drafter"),
     benchmark:
-        f"{BENCH}/{BENCHMARKS['train_drafter']}"
+        layout.benchmark("train_drafter")
     priority: RUN_PRIORITY
     conda:
         "../envs/cpu.yaml"

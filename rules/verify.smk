@@ -1,14 +1,11 @@
 rule verify:
     log:
-        f"logs/{RUN}/verify.log",
+        layout.log("verify"),
     conda:
         "../envs/cpu.yaml"
     params:
-        traces=expand(f"results/{RUN}/traces/shard-{{shard}}.jsonl", shard=SHARDS),
-        hidden_states=expand(
-            f"results/{RUN}/hidden_states/shard-{{shard}}.safetensors",
-            shard=SHARDS,
-        ),
-        manifest=f"results/{RUN}/manifest.json",
+        traces=[layout.traces(s) for s in SHARDS],
+        hidden_states=[layout.hidden_states(s) for s in SHARDS],
+        manifest=layout.manifest(),
     script:
         "../workflow_scripts/verify.py"

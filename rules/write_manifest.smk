@@ -6,9 +6,9 @@ rule write_manifest:
         artifacts=get_lineage_outputs,
         target=get_target_dir(),
     output:
-        f"results/{RUN}/manifest.json",
+        layout.manifest(),
     log:
-        f"logs/{RUN}/write_manifest.log",
+        layout.log("write_manifest"),
     conda:
         "../envs/cpu.yaml"
     params:
