@@ -26,14 +26,6 @@ include: "rules/verify.smk"
 include: "rules/plan.smk"
 
 
-onstart:
-    print_plan()
-
-
-onerror:
-    print_resume_hint()
-
-
 rule all:
     default_target: True
     input:

@@ -1,6 +1,21 @@
+# Plans: `snakemake plan` previews a run; a real run keeps the plan it starts with (onstart) and,
+# when it stops early, says what a rerun resumes from (onerror). Library: eagle3_pipeline/plan.py,
+# the hooks' bodies in eagle3_pipeline/snakemake_adapter.py (the module that reads Snakemake's DAG).
+from eagle3_pipeline.snakemake_adapter import print_resume_hint, print_start_plan
+
+
+onstart:
+    print_start_plan(
+        workflow, config, layout, None if is_builtin_target() else get_target_dir()
+    )
+
+
+onerror:
+    print_resume_hint(workflow, layout)
+
+
 # `snakemake plan`: no output file, so it runs whenever it is asked for. It dry-runs the default
-# target with this config and writes the preview to results/<run>/plan.json; a real run keeps
-# its own start plan under results/<run>/plans/ (onstart).
+# target with this config and writes the preview to results/<run>/plan.json.
 rule plan:
     log:
         layout.log("plan"),

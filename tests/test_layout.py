@@ -197,6 +197,9 @@ def test_every_path_the_rules_declare_comes_from_the_layout(tmp_path):
     from snakemake.settings.enums import Quietness
     from snakemake.settings.types import ConfigSettings, OutputSettings, ResourceSettings
 
+    from eagle3_pipeline.plan import STAGES
+    from eagle3_pipeline.snakemake_adapter import rule_stage
+
     root = Path(__file__).resolve().parents[1]
     sweep = tmp_path / "sweep.yaml"
     sweep.write_text(
@@ -226,6 +229,14 @@ def test_every_path_the_rules_declare_comes_from_the_layout(tmp_path):
         assert outside == {}
         assert lay.log("train_drafter") in declared and lay.variant("{variant}").benchmark("evaluate_drafter") in declared
         assert declared[lay.variant("{variant}").vocab("d2t")] == "build_vocab_mapping_variant"
+        # a rule's stage is the script it runs (plan): a variant's rule is a job of its stage
+        stages = {r.name: rule_stage(r) for r in wf.rules}
+        assert all(stages[s] == s for s in STAGES) and stages["all"] == "all"
+        assert {n: stages[n] for n in stages if n.endswith("_variant")} == {
+            "build_vocab_mapping_variant": "build_vocab_mapping",
+            "train_drafter_variant": "train_drafter",
+            "evaluate_drafter_variant": "evaluate_drafter",
+        }
         # the input functions too: every file the DAG's jobs read or write under results/ is a layout path
         finals = wf.globals["get_lineage_outputs"](None)
         assert len(finals) > 40 and not [p for p in finals if p not in known and not fnmatch.fnmatch(p, lay.plot("*"))]

@@ -13,25 +13,25 @@ from e2e_support import snakemake_cli
 from transformers import LlamaConfig
 
 from eagle3_pipeline.config import validate_config
+from eagle3_pipeline.layout import RunLayout
 from eagle3_pipeline.plan import (
     BUILTIN_SHAPE,
     COMPLETION_FILL,
     PROMPT_TOKENS,
     PROMPT_TOKENS_BY_TURNS,
     REFERENCES,
-    dry_run_jobs,
     estimate_params,
     estimate_vs_actual,
     format_plan,
-    in_dependency_order,
+    load_references,
     make_plan,
-    needrun_jobs,
     plan_dict,
     plan_run,
     reference_for,
-    start_plan_path,
+    remakes_training_inputs,
     start_plans,
 )
+from eagle3_pipeline.snakemake_adapter import dry_run_jobs, in_dependency_order, needrun_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,7 +137,11 @@ def test_a_resumed_stage_is_estimated_for_its_pending_jobs_only(tmp_path):
 
 def test_a_training_that_resumes_from_its_checkpoint_is_planned_for_the_steps_left(tmp_path):
     cfg = validate_config({"sweep": {"variants": {"e2": {"training": {"epochs": 3}}}}})
-    jobs = [{"rule": "train_drafter", "wildcards": {}}, {"rule": "train_drafter_variant", "wildcards": {"variant": "e2"}}]
+    lay, shards = RunLayout.at(tmp_path), [RunLayout.at(tmp_path).hidden_states("00000")]
+    jobs = [
+        {"rule": "train_drafter", "stage": "train_drafter", "wildcards": {}, "input": [*shards, lay.vocab("d2t")]},
+        {"rule": "train_drafter_variant", "stage": "train_drafter", "wildcards": {"variant": "e2"}, "input": shards},
+    ]
     fresh = _by_stage(plan_run(cfg, None, tmp_path, jobs, platform="cpu")[0])["train_drafter"]
     ck = tmp_path / "train" / ".checkpoint"
     ck.mkdir(parents=True)
@@ -151,10 +155,13 @@ def test_a_training_that_resumes_from_its_checkpoint_is_planned_for_the_steps_le
     assert resumed.work["resumes_from"] == [{"step": 30, "total_steps": 120}]
     assert resumed.source.endswith("; resumes from checkpoint step 30/120")
     # remade shards or vocabulary make the checkpoint stale: the whole training is planned
-    remade = _by_stage(
-        plan_run(cfg, None, tmp_path, [*jobs, {"rule": "extract_hidden_states", "wildcards": {"shard": "00000"}}], platform="cpu")[0]
-    )
-    assert remade["train_drafter"].tokens == fresh.tokens and "resumes_from" not in remade["train_drafter"].work
+    extract = {"rule": "extract_hidden_states", "wildcards": {"shard": "00000"}, "output": [*shards, lay.hidden_index("00000")]}
+    vocab = {"rule": "build_vocab_mapping", "wildcards": {}, "output": [lay.vocab("d2t"), lay.coverage()]}
+    for again in (extract, vocab):
+        remade = _by_stage(plan_run(cfg, None, tmp_path, [*jobs, again], platform="cpu")[0])
+        assert remade["train_drafter"].tokens == fresh.tokens and "resumes_from" not in remade["train_drafter"].work
+    # a job that writes nothing a training reads leaves the checkpoint valid
+    assert not remakes_training_inputs([*jobs, {"rule": "plot_run", "wildcards": {}, "output": [lay.plot("lengths")]}])
     # an unreadable checkpoint record plans the whole training again
     (ck / "progress.json").write_text("{")
     again = _by_stage(plan_run(cfg, None, tmp_path, jobs, platform="cpu")[0])["train_drafter"]
@@ -329,7 +336,7 @@ def test_estimate_vs_actual_keeps_the_stages_finished_before_a_resume(tmp_path):
     resumed = {"stages": [stage("generate_traces", 100.0, []), stage("extract_hidden_states", 8.0, [{"shard": "00001"}]),
                           stage("train_drafter", 11.0, [{}]), stage("evaluate_drafter", 40.0, [{}])]}  # fmt: skip
     t0 = datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
-    p1, p2 = start_plan_path(res, t0), start_plan_path(res, t0 + timedelta(minutes=5))
+    p1, p2 = (Path(RunLayout.at(res).start_plan(t)) for t in (t0, t0 + timedelta(minutes=5)))
     assert p1.name == "start-20250102T030405.000000Z.json" and p1.parent == res / "plans"
     for p, plan in ((p1, first), (p2, resumed)):
         p.parent.mkdir(exist_ok=True)
@@ -462,3 +469,24 @@ def test_a_cpu_without_fast_bf16_is_planned_from_its_own_slower_figures(tmp_path
     for has, platform in ((True, "cpu"), (False, "cpu_fp32")):
         monkeypatch.setattr(precision, "cpu_has_fast_bf16", lambda has=has: has)
         assert plan_run(cfg, None, tmp_path, [], None)[1] == platform
+
+
+def test_reference_figures_are_data_with_a_source_and_command_each():
+    refs = load_references()
+    assert refs == REFERENCES and set(refs) == {"cpu", "cpu_fp32", "cuda"}
+    stages = ("generate_traces", "extract_hidden_states", "train_drafter", "evaluate_drafter")
+    for platform, entries in refs.items():
+        for ref in entries:
+            assert isinstance(ref["params"], int) and isinstance(ref["hidden_size"], int)
+            figures = {k: v for k, v in ref.items() if k.startswith(stages)}
+            assert set(stages) <= set(figures), platform
+            for name, fig in figures.items():
+                assert fig["tokens_per_second"] > 0 and fig["load_seconds"] >= 0, (platform, name)
+                # each figure says where and how it was measured: its own source/command or its reference's
+                assert fig.get("source", ref["source"]) and fig.get("command", ref["command"]), (platform, name)
+    # the figures the estimates were built on (they were code before they were data)
+    assert refs["cpu"][0]["generate_traces"] == {"tokens_per_second": 409.0, "load_seconds": 31.0}
+    assert refs["cpu_fp32"][0]["train_drafter"] == {"tokens_per_second": 41.0, "load_seconds": 5.0}
+    assert [r["params"] for r in refs["cuda"]] == [8_030_261_248, 134_515_008]
+    assert refs["cuda"][1]["extract_hidden_states"] == {"tokens_per_second": 216358.0, "load_seconds": 63.0}
+    assert refs["cuda"][0]["extract_hidden_states_hf"]["tokens_per_second"] == 10644.0

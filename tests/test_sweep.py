@@ -189,9 +189,9 @@ def test_the_plan_counts_the_variants_trainings_and_evaluations(tmp_path):
     cfg = _cfg({"ttt2": {"training": {"ttt_steps": 2}}, "k2": {"evaluation": {"num_speculative_tokens": 2}}})
     alone = {s.stage: s for s in plan_run(validate_config({"training": {"epochs": 3}}), None, tmp_path, [], "cpu")[0]}
     jobs = [
-        {"rule": "train_drafter_variant", "wildcards": {"variant": "ttt2"}, "output": []},
-        {"rule": "evaluate_drafter_variant", "wildcards": {"variant": "ttt2"}, "output": []},
-        {"rule": "evaluate_drafter_variant", "wildcards": {"variant": "k2"}, "output": []},
+        {"rule": "train_drafter_variant", "stage": "train_drafter", "wildcards": {"variant": "ttt2"}, "output": []},
+        {"rule": "evaluate_drafter_variant", "stage": "evaluate_drafter", "wildcards": {"variant": "ttt2"}, "output": []},
+        {"rule": "evaluate_drafter_variant", "stage": "evaluate_drafter", "wildcards": {"variant": "k2"}, "output": []},
     ]
     got = {s.stage: s for s in plan_run(cfg, None, tmp_path, jobs, "cpu")[0]}
     train, ev = got["train_drafter"], got["evaluate_drafter"]

@@ -6,8 +6,9 @@ import sys
 from pathlib import Path
 
 from eagle3_pipeline.io import write_json_atomic
-from eagle3_pipeline.plan import dry_run_jobs, format_plan, plan_dict, plan_run
+from eagle3_pipeline.plan import format_plan, plan_dict, plan_run
 from eagle3_pipeline.runtime import start_log
+from eagle3_pipeline.snakemake_adapter import dry_run_jobs
 
 if __name__ == "__main__":
     sm = snakemake  # noqa: F821 (injected by Snakemake)

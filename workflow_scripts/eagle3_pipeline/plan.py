@@ -17,110 +17,71 @@ on the demo run (:data:`COMPLETION_FILL`).
 
 Which jobs are pending comes from Snakemake's own DAG, never from which files exist, so a
 rerun forced by changed parameters or code, by ``-R`` or by ``--forcerun`` is planned as
-Snakemake will run it: :func:`needrun_jobs` reads the DAG a run has built (the ``onstart``
-hook), :func:`dry_run_jobs` builds it with a dry-run (``snakemake plan``).
+Snakemake will run it: :mod:`eagle3_pipeline.snakemake_adapter` (the one module that reads
+Snakemake's internals) lists the jobs of the DAG a run has built (the ``onstart`` hook) or of a
+dry-run (``snakemake plan``); this module only estimates. Each file it reads is named by the
+run's layout (:class:`eagle3_pipeline.layout.RunLayout`).
 """
 
 from __future__ import annotations
 
 import json
-import tempfile
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+from .layout import RunLayout
 from .sweep import shares_drafter, variant_configs
 
-#: Each stage's output under ``results/<run>/`` that records its work: (file pattern, tokens key,
-#: seconds key, model load seconds key). The stage's rule has the same name.
+#: Each stage's output that records its work: (the layout's file of a job, tokens key, seconds key,
+#: model load seconds key). A per-shard stage's file takes the job's shard.
 STAGES = {
-    "generate_traces": ("traces/shard-{shard}.summary.json", "completion_tokens", "generate_seconds", "model_load_seconds"),
-    "extract_hidden_states": ("hidden_states/shard-{shard}.index.json", "num_tokens", "extract_seconds", "model_load_seconds"),
-    "train_drafter": ("train/summary.json", "tokens_seen", "seconds", None),  # compilation is inside its seconds
-    "evaluate_drafter": ("eval/acceptance.json", "output_tokens", "seconds", "model_load_seconds"),
+    "generate_traces": (RunLayout.trace_summary, "completion_tokens", "generate_seconds", "model_load_seconds"),
+    "extract_hidden_states": (RunLayout.hidden_index, "num_tokens", "extract_seconds", "model_load_seconds"),
+    "train_drafter": (RunLayout.train_summary, "tokens_seen", "seconds", None),  # compilation is inside its seconds
+    "evaluate_drafter": (RunLayout.acceptance, "output_tokens", "seconds", "model_load_seconds"),
 }
+#: The stages with one job per shard (their files and benchmarks take the shard).
+PER_SHARD = ("generate_traces", "extract_hidden_states")
 
-#: Rules that are more jobs of a stage: a sweep variant's training and evaluation
-#: (rules/sweep.smk), planned with the run's own per-job figures.
-RULE_STAGE = {"train_drafter_variant": "train_drafter", "evaluate_drafter_variant": "evaluate_drafter"}
 
-#: Reference throughputs (tokens/s, load s) per platform and target, with where they were
-#: measured (a figure's own ``source`` overrides its reference's). A plan uses the platform's
-#: reference nearest the target in parameter count (:func:`reference_for`).
-#: ``extract_hidden_states_<backend>`` is the extraction figure for the backend that is not the
-#: reference's usual one.
-REFERENCES = {
-    "cpu": [
-        {
-            "source": "this project's demo run on 2 CPU cores (SmolLM2-135M)",
-            "params": 134_515_008,
-            "hidden_size": 576,
-            "generate_traces": {"tokens_per_second": 409.0, "load_seconds": 31.0},
-            # the hf backend, demo run of 2026-12-01 on an unloaded machine (an earlier, loaded machine gave 1,300)
-            "extract_hidden_states": {"tokens_per_second": 920.0, "load_seconds": 3.0},
-            # the vllm backend starts a vLLM engine (16-20 s on CPU), the hf backend loads in ~3 s
-            "extract_hidden_states_vllm": {
-                "tokens_per_second": 2449.0,
-                "load_seconds": 18.0,
-                "source": "extraction.backend vllm on 2 CPU cores (SmolLM2-135M), the demo's 296 traces, "
-                "110,721 tokens: 2,449 tok/s, engine start 16-20 s",
-            },
-            "train_drafter": {"tokens_per_second": 668.0, "load_seconds": 5.0},
-            "evaluate_drafter": {"tokens_per_second": 197.0, "load_seconds": 31.0},
-        }
-    ],
-    # A CPU without fast bf16 (no AVX-512 or AVX2-VNNI-2), where every auto dtype resolves to
-    # float32 (precision.py): 4-8x slower than the figures above on the demo.
-    "cpu_fp32": [
-        {
-            "source": "a new user's demo run on 2 AVX2-only EPYC cores (SmolLM2-135M, float32 compute, Muon), "
-            "2026-12-02, in part beside other jobs: rough",
-            "params": 134_515_008,
-            "hidden_size": 576,
-            # 60.9K completion tokens in 925 s; 113K tokens extracted in 559 s; 122 training steps of
-            # ~1.75K tokens at ~43 s each; 80 evaluation answers (19.9K tokens) in 496 s. Load
-            # seconds were not recorded apart: the fast-bf16 machine's.
-            "generate_traces": {"tokens_per_second": 68.0, "load_seconds": 31.0},
-            "extract_hidden_states": {"tokens_per_second": 203.0, "load_seconds": 3.0},
-            "extract_hidden_states_vllm": {
-                "tokens_per_second": 541.0,
-                "load_seconds": 18.0,
-                "source": "extraction.backend vllm: the fast-bf16 CPU's 2,449 tok/s x the hf backend's slowdown "
-                "on the AVX2 CPU (203 / 920), not measured",
-            },
-            "train_drafter": {"tokens_per_second": 41.0, "load_seconds": 5.0},
-            "evaluate_drafter": {"tokens_per_second": 43.0, "load_seconds": 31.0},
-        }
-    ],
-    "cuda": [
-        {
-            "source": "1 x H200, Llama-3.1-8B-shaped target (benchmarks/results/vs_speculators_h200.json)",
-            "params": 8_030_261_248,
-            "hidden_size": 4096,
-            "generate_traces": {"tokens_per_second": 7868.0, "load_seconds": 50.0},
-            "extract_hidden_states": {"tokens_per_second": 25764.0, "load_seconds": 41.0},
-            "extract_hidden_states_hf": {"tokens_per_second": 10644.0, "load_seconds": 12.0},
-            "train_drafter": {"tokens_per_second": 14055.0, "load_seconds": 89.0},
-            "evaluate_drafter": {"tokens_per_second": 7868.0, "load_seconds": 50.0},
-        },
-        {
-            "source": "1 x H200, SmolLM2-135M, one engine, config/examples/smollm2-h200.yaml, 2026-12-01 (benchmarks/results/gpu_dag_h200.json)",
-            "params": 134_515_008,
-            "hidden_size": 576,
-            # CUDA graphs on, max_num_seqs 1024, 512-token completions
-            "generate_traces": {"tokens_per_second": 22287.0, "load_seconds": 79.0},
-            "extract_hidden_states": {"tokens_per_second": 216358.0, "load_seconds": 63.0},
-            "extract_hidden_states_hf": {
-                "tokens_per_second": 101000.0,
-                "load_seconds": 3.0,
-                "source": "hf backend, SmolLM2-135M on 1 x H200 (9.5x the 8B shape's 10,644 tok/s, 2026-11-30)",
-            },
-            # steady rate; the first steps' compilation (104 s) counted as load
-            "train_drafter": {"tokens_per_second": 121577.0, "load_seconds": 104.0},
-            "evaluate_drafter": {"tokens_per_second": 10703.0, "load_seconds": 98.0},
-        },
-    ],
-}
+def stage_file(lay: RunLayout, stage: str, wildcards: dict) -> str:
+    """The file that records one job's work (:data:`STAGES`), in ``lay`` or, for a sweep variant's job
+    (``{"variant": v}``), in ``lay.variant(v)``.
+
+    Raises:
+        KeyError: a per-shard stage's ``wildcards`` lack ``shard``.
+    """
+    lay = lay.variant(wildcards["variant"]) if wildcards.get("variant") else lay
+    record = STAGES[stage][0]
+    return record(lay, wildcards["shard"]) if stage in PER_SHARD else record(lay)
+
+
+def stage_benchmark(lay: RunLayout, stage: str, wildcards: dict) -> str:
+    """Snakemake's benchmark file of one job of ``stage`` (the rule's ``benchmark:``), a variant's
+    under its layout as in :func:`stage_file`."""
+    lay = lay.variant(wildcards["variant"]) if wildcards.get("variant") else lay
+    return lay.benchmark(stage, wildcards["shard"]) if stage in PER_SHARD else lay.benchmark(stage)
+
+
+def job_stage(job: dict) -> str:
+    """The stage a job (:func:`eagle3_pipeline.snakemake_adapter.needrun_jobs`) belongs to: its
+    ``stage`` (the rule whose script it runs: a sweep variant's training is a ``train_drafter``
+    job), or its rule."""
+    return job.get("stage") or job["rule"]
+
+
+def load_references(path: str | Path | None = None) -> dict:
+    """The measured reference figures (``references.json`` beside this module: each figure with its
+    source and the command that measured it), ``{platform: [reference, ...]}``."""
+    path = Path(path) if path else Path(__file__).with_name("references.json")
+    return json.loads(path.read_text(encoding="utf-8"))["platforms"]
+
+
+#: Reference throughputs (tokens/s, load s) per platform and target, with where and how they were
+#: measured (``references.json``). A plan uses the platform's reference nearest the target in
+#: parameter count (:func:`reference_for`).
+REFERENCES = load_references()
 
 
 def reference_for(platform: str, params: int) -> dict:
@@ -180,8 +141,10 @@ def _read(path: Path) -> dict | None:
         return None
 
 
-def _stage_files(run_dir: Path, pattern: str) -> list[Path]:
-    return sorted(run_dir.glob(pattern.format(shard="*")))
+def _stage_files(lay: RunLayout, stage: str) -> list[Path]:
+    """The finished files of ``stage``'s jobs in ``lay`` (every shard's of a per-shard stage)."""
+    rel = Path(lay.relative(stage_file(lay, stage, {"shard": "*"})))
+    return sorted(Path(lay.dir).glob(rel.as_posix()))
 
 
 def measured(run_dir: str | Path) -> dict:
@@ -190,7 +153,7 @@ def measured(run_dir: str | Path) -> dict:
     Returns ``{stage: {"tokens_per_second", "load_seconds", "source"}}`` for the stages
     that have finished outputs with timings (none for a fresh run).
     """
-    d = Path(run_dir)
+    lay = RunLayout.at(run_dir)
     out: dict = {}
 
     def num(r: dict, k: str | None) -> float:
@@ -199,8 +162,8 @@ def measured(run_dir: str | Path) -> dict:
             raise TypeError(k)
         return float(v)
 
-    for stage, (pattern, tok_key, sec_key, load_key) in STAGES.items():
-        files = _stage_files(d, pattern)
+    for stage, (_file, tok_key, sec_key, load_key) in STAGES.items():
+        files = _stage_files(lay, stage)
         recs = []
         for r in map(_read, files):  # a file without usable numbers is left out, not an error
             try:
@@ -234,13 +197,13 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
     """
     from .conventions import resolve_layer_ids
 
-    d = Path(run_dir)
+    lay = RunLayout.at(run_dir)
     ref = reference_for(platform, target["params"])
-    got = measured(d)
-    prompts_summary = _read(d / "prompts/summary.json")
+    got = measured(run_dir)
+    prompts_summary = _read(Path(lay.prompt_summary()))
     traces = [
         r
-        for r in map(_read, sorted(d.glob("traces/shard-*.summary.json")))
+        for r in map(_read, _stage_files(lay, "generate_traces"))
         if isinstance(r, dict) and all(isinstance(r.get(k), int) for k in ("ok", "prompt_tokens", "completion_tokens"))
     ]
     kept = prompts_summary.get("kept") if isinstance(prompts_summary, dict) else None
@@ -386,7 +349,7 @@ def estimate_params(text_config) -> int:
 
 def format_plan(plan: list[StageEstimate], jobs: list[dict] | None = None) -> str:
     """The plan as a fixed-width text table (hours, minutes, GB), one line per stage, a total,
-    and, given ``jobs`` (:func:`needrun_jobs`), a line with every job Snakemake will run by rule.
+    and, given ``jobs`` (:func:`eagle3_pipeline.snakemake_adapter.needrun_jobs`), a line with every job Snakemake will run by rule.
     A stage's ``jobs`` column reads ``pending/all`` when only some of its jobs are pending."""
 
     def hm(s: float) -> str:
@@ -410,7 +373,7 @@ def format_plan(plan: list[StageEstimate], jobs: list[dict] | None = None) -> st
 
 
 def plan_dict(plan: list[StageEstimate], platform: str, jobs: list[dict] | None = None, kind: str = "preview") -> dict:
-    """JSON form of a plan: ``kind`` ``"start"`` (kept by a run as it starts, :func:`start_plan_path`)
+    """JSON form of a plan: ``kind`` ``"start"`` (kept by a run as it starts, :meth:`RunLayout.start_plan`)
     or ``"preview"`` (``snakemake plan``'s ``plan.json``), the UTC time it was made, the stages,
     the pending jobs by rule and the total estimated seconds of the pending stages."""
     return {
@@ -423,16 +386,9 @@ def plan_dict(plan: list[StageEstimate], platform: str, jobs: list[dict] | None 
     }
 
 
-def start_plan_path(run_dir: str | Path, now: datetime | None = None) -> Path:
-    """Where a run keeps the plan it starts with: ``<run_dir>/plans/start-<UTC time>.json``
-    (``YYYYmmddTHHMMSS.ffffffZ``; names sort in time order, and each run start has its own)."""
-    now = now or datetime.now(UTC)
-    return Path(run_dir) / "plans" / f"start-{now.astimezone(UTC):%Y%m%dT%H%M%S.%fZ}.json"
-
-
 def start_plans(run_dir: str | Path) -> list[Path]:
-    """The start plans a run directory keeps (:func:`start_plan_path`), oldest first."""
-    return sorted((Path(run_dir) / "plans").glob("start-*.json"))
+    """The start plans a run directory keeps (:meth:`RunLayout.start_plan`), oldest first."""
+    return RunLayout.at(run_dir).start_plans()
 
 
 #: The embedded target's shape (SmolLM2-135M-Instruct), for plans made before it is materialized.
@@ -448,8 +404,9 @@ def plan_run(
     Args:
         target_dir: the target model directory, or None for the embedded target not yet
             materialized (its known shape is used).
-        jobs: the jobs Snakemake will run, as :func:`needrun_jobs` or :func:`dry_run_jobs`
-            return them (``{"rule", "wildcards", "output"}``).
+        jobs: the jobs Snakemake will run, as :func:`eagle3_pipeline.snakemake_adapter.needrun_jobs` or
+            :func:`~eagle3_pipeline.snakemake_adapter.dry_run_jobs`
+            return them (``{"rule", "stage", "wildcards", "input", "output"}``; :func:`job_stage`).
         platform: ``"cuda"``, ``"cpu"`` or ``"cpu_fp32"``; None: ``"cuda"`` when this machine sees
             an NVIDIA GPU (:func:`eagle3_pipeline.parallel.visible_gpus`), else ``"cpu"`` where
             the CPU has fast bf16 and ``"cpu_fp32"`` where it has not
@@ -474,28 +431,24 @@ def plan_run(
         target = BUILTIN_SHAPE
     stages = make_plan(cfg, target, run_dir, platform)
     for st in stages:
-        st.pending = [j["wildcards"] for j in jobs if RULE_STAGE.get(j["rule"], j["rule"]) == st.stage]
+        st.pending = [j["wildcards"] for j in jobs if job_stage(j) == st.stage]
         st.done = not st.pending
         if st.pending and len(st.pending) < st.jobs:  # a resumed stage: only its pending jobs
             frac = len(st.pending) / st.jobs
             st.tokens, st.disk_bytes, st.seconds = int(st.tokens * frac), int(st.disk_bytes * frac), round(st.seconds * frac, 1)
         # a checkpoint applies only to the same shards and vocabulary: none when they are remade
-        if st.stage == "train_drafter" and st.pending and not any(j["rule"] in REMAKES_TRAINING_INPUTS for j in jobs):
+        if st.stage == "train_drafter" and st.pending and not remakes_training_inputs(jobs):
             _resume_from_checkpoints(st, run_dir)
     return stages, platform
 
 
-#: Rules whose rerun gives a training new inputs, so that its checkpoint no longer applies.
-REMAKES_TRAINING_INPUTS = frozenset(
-    {
-        "prepare_target_model",
-        "prepare_prompts",
-        "generate_traces",
-        "extract_hidden_states",
-        "build_vocab_mapping",
-        "build_vocab_mapping_variant",
-    }
-)
+def remakes_training_inputs(jobs: list[dict]) -> bool:
+    """Whether a job of ``jobs`` writes a file that a training job of ``jobs`` reads (hidden-state
+    shards, a vocabulary, the materialized target), from the jobs' ``input`` and ``output``: a
+    training's checkpoint then no longer applies. A job further up (new prompts, traces) always
+    comes with such a job: Snakemake reruns what depends on a rerun job."""
+    read = {f for j in jobs if job_stage(j) == "train_drafter" for f in j.get("input", ())}
+    return any(f in read for j in jobs if job_stage(j) != "train_drafter" for f in j.get("output", ()))
 
 
 def training_checkpoint_step(run_dir: str | Path, wildcards: dict) -> tuple[int, int] | None:
@@ -506,15 +459,14 @@ def training_checkpoint_step(run_dir: str | Path, wildcards: dict) -> tuple[int,
     (:class:`eagle3_pipeline.training.TrainCheckpoint`). None when there is none or it is
     unreadable. Whether the checkpoint still applies (same inputs and settings), only the
     training job decides: :func:`plan_run` ignores checkpoints when a rule of
-    :data:`REMAKES_TRAINING_INPUTS` is pending, and a changed training setting (which reruns
+    :func:`remakes_training_inputs`, and a changed training setting (which reruns
     nothing upstream) still makes the plan too short.
     """
     from .resume import checkpoint_progress
 
-    d = Path(run_dir)
-    if wildcards.get("variant"):
-        d = d / "sweep" / wildcards["variant"]
-    return checkpoint_progress(d / "train" / ".checkpoint")
+    lay = RunLayout.at(run_dir)
+    lay = lay.variant(wildcards["variant"]) if wildcards.get("variant") else lay
+    return checkpoint_progress(lay.train_checkpoint())
 
 
 def _resume_from_checkpoints(st: StageEstimate, run_dir: str | Path) -> None:
@@ -535,104 +487,11 @@ def _resume_from_checkpoints(st: StageEstimate, run_dir: str | Path) -> None:
 
 
 def jobs_by_rule(jobs: list[dict]) -> dict[str, int]:
-    """How many of ``jobs`` (:func:`needrun_jobs`) each rule has, in the order they first appear."""
+    """How many of ``jobs`` (:func:`eagle3_pipeline.snakemake_adapter.needrun_jobs`) each rule has, in the order they first appear."""
     out: dict[str, int] = {}
     for j in jobs:
         out[j["rule"]] = out.get(j["rule"], 0) + 1
     return out
-
-
-def needrun_jobs(workflow) -> list[dict]:
-    """The jobs Snakemake will run, from the DAG a Snakemake ``Workflow`` has built.
-
-    Returns ``[{"rule": name, "wildcards": {name: value}, "output": [paths]}]``, in the DAG's
-    order (no particular order of execution).
-
-    Snakemake internals (snakemake 9.27.1; no public API returns the jobs): ``Workflow.dag``,
-    which ``Workflow.execute`` builds and post-processes before it calls the ``onstart`` hook
-    (and keeps after a dry-run), ``DAG.needrun_jobs(exclude_finished=False)`` (a dry-run marks
-    its jobs finished), ``Job.rule.name``, ``Job.wildcards_dict`` and ``Job.output``. The
-    public ``DAGApi.execute_workflow(updated_files=...)`` lists the same jobs' output files;
-    ``tests/test_plan.py`` checks this function against it, so a change of these internals
-    fails there.
-
-    Raises:
-        AttributeError: the workflow has no DAG yet, or Snakemake's internals changed.
-    """
-    jobs = [
-        {
-            "rule": j.rule.name,
-            "wildcards": {k: str(v) for k, v in j.wildcards_dict.items()},
-            "output": [str(f) for f in j.output],
-            "input": [str(f) for f in j.input],
-        }
-        for j in workflow.dag.needrun_jobs(exclude_finished=False)
-    ]
-    return [{k: j[k] for k in ("rule", "wildcards", "output")} for j in in_dependency_order(jobs)]
-
-
-def in_dependency_order(jobs: list[dict]) -> list[dict]:
-    """``jobs`` (with ``"input"`` and ``"output"`` paths) sorted so that a job comes after every
-    job whose output it reads (a file, or one inside an output directory); jobs of one level by
-    rule and wildcards. Snakemake's own order is a set's, different at every call."""
-    producer = {o: i for i, j in enumerate(jobs) for o in j["output"]}
-
-    def made_by(path: str) -> int | None:
-        p = Path(path)
-        for q in (p, *p.parents):
-            if str(q) in producer:
-                return producer[str(q)]
-        return None
-
-    deps = [{d for f in j["input"] if (d := made_by(f)) is not None and d != i} for i, j in enumerate(jobs)]
-    level: dict[int, int] = {}
-
-    def depth(i: int, seen: frozenset = frozenset()) -> int:
-        if i not in level:
-            level[i] = 1 + max((depth(d, seen | {i}) for d in deps[i] if d not in seen), default=-1)
-        return level[i]
-
-    key = [(depth(i), j["rule"], sorted(j["wildcards"].items())) for i, j in enumerate(jobs)]
-    return [jobs[i] for i in sorted(range(len(jobs)), key=key.__getitem__)]
-
-
-def dry_run_jobs(snakefile: str | Path, workdir: str | Path, config: dict, targets: list[str] | None = None) -> list[dict]:
-    """The jobs ``snakemake -n`` would run with ``config``, as :func:`needrun_jobs` returns them.
-
-    A dry-run through ``snakemake.api`` (no lock taken, nothing printed): the DAG is built
-    from the same Snakefile, working directory and config, so changed parameters, code or
-    inputs trigger reruns exactly as in ``snakemake -n``. ``config`` (a complete, validated
-    config) is handed over as a ``--configfile`` (a temporary YAML file), which replaces the
-    Snakefile's ``configfile:`` as the user's own ``--configfile`` did. Not JSON: Snakemake
-    reads a JSON config file into ``OrderedDict``s, whose repr differs from the plain dicts a
-    YAML file gives, and a list of mappings in a rule's params (``prompts.sources``) would then
-    count as changed.
-    ``targets``: None for the default target. Takes about as long as ``snakemake -n``.
-
-    Reads the DAG through ``WorkflowApi._workflow`` (snakemake 9.27.1; internal, like
-    :func:`needrun_jobs`, and checked by the same test).
-
-    Raises:
-        snakemake.exceptions.WorkflowError and the like: the workflow does not parse or the
-            DAG cannot be built (what ``snakemake -n`` would report).
-    """
-    import yaml
-    from snakemake.api import SnakemakeApi
-    from snakemake.settings.enums import Quietness
-    from snakemake.settings.types import ConfigSettings, DAGSettings, ExecutionSettings, OutputSettings, ResourceSettings
-
-    with tempfile.TemporaryDirectory() as tmp, SnakemakeApi(OutputSettings(quiet={Quietness.ALL})) as api:
-        configfile = Path(tmp) / "config.yaml"
-        configfile.write_text(yaml.safe_dump(config, sort_keys=False))
-        wf = api.workflow(
-            resource_settings=ResourceSettings(cores=1),
-            config_settings=ConfigSettings(configfiles=[configfile]),
-            snakefile=Path(snakefile).absolute(),
-            workdir=Path(workdir).absolute(),
-        )
-        dag = wf.dag(DAGSettings(targets=set(targets or ())))
-        dag.execute_workflow(executor="local", pseudo_executor="dryrun", execution_settings=ExecutionSettings(lock=False))
-        return needrun_jobs(wf._workflow)
 
 
 def _bench_seconds(path: Path) -> float | None:
@@ -645,19 +504,10 @@ def _bench_seconds(path: Path) -> float | None:
 
 
 def benchmark_dir(run: str) -> str:
-    """Where Snakemake writes the per-job benchmark files of run ``run`` (the rules'
-    ``benchmark:``): ``logs/<run>/benchmarks``, beside the jobs' logs."""
-    return f"logs/{run}/benchmarks"
-
-
-#: Each stage's Snakemake benchmark file under :func:`benchmark_dir` (the rules' ``benchmark:``;
-#: ``{shard}`` is the rule's wildcard; a sweep variant's under ``sweep/<variant>/``).
-BENCHMARKS = {
-    "generate_traces": "generate_traces/shard-{shard}.tsv",
-    "extract_hidden_states": "extract_hidden_states/shard-{shard}.tsv",
-    "train_drafter": "train_drafter.tsv",
-    "evaluate_drafter": "evaluate_drafter.tsv",
-}
+    """Where Snakemake writes the per-job benchmark files of run ``run``: :attr:`RunLayout.bench_dir`
+    (kept for workflow_scripts/summarize_run.py, whose edit would make Snakemake rerun finished runs'
+    summaries)."""
+    return RunLayout(run).bench_dir
 
 
 def job_seconds(run_dir: str | Path, bench_dir: str | Path | None, stage: str, wildcards: dict) -> float | None:
@@ -668,14 +518,14 @@ def job_seconds(run_dir: str | Path, bench_dir: str | Path | None, stage: str, w
     Raises:
         KeyError: ``wildcards`` lacks a wildcard of the stage's file names (``shard``).
     """
-    # a sweep variant's job: the same files under sweep/<variant>/
-    sub = f"sweep/{wildcards['variant']}/" if "variant" in wildcards else ""
+    # a sweep variant's job: the same files in its layout (sweep/<variant>/)
+    lay = RunLayout.at(run_dir, bench_dir)
     if bench_dir is not None:
-        t = _bench_seconds(Path(bench_dir) / (sub + BENCHMARKS[stage].format(**wildcards)))
+        t = _bench_seconds(Path(stage_benchmark(lay, stage, wildcards)))
         if t is not None:
             return t
-    pattern, _tok, sec_key, load_key = STAGES[stage]
-    r = _read(Path(run_dir) / (sub + pattern.format(**wildcards)))
+    _file, _tok, sec_key, load_key = STAGES[stage]
+    r = _read(Path(stage_file(lay, stage, wildcards)))
     keys = (sec_key,) if load_key is None else (load_key, sec_key)
     if isinstance(r, dict) and all(isinstance(r.get(k), int | float) and not isinstance(r.get(k), bool) for k in keys):
         return float(sum(r[k] for k in keys))

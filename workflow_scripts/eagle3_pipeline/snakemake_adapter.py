@@ -1,0 +1,179 @@
+"""The one module that reads Snakemake's internals (snakemake 9.27.1): the jobs of a DAG, the rules.
+
+Snakemake has no public API that lists the jobs a run will run, the rules a job belongs to, or
+the rules' declared files as the workflow holds them; what the workflow needs of them is read
+here, and nowhere else, so that a change of Snakemake's internals fails in one place
+(``tests/test_plan.py`` checks :func:`needrun_jobs` against the public list of updated files):
+
+- :func:`needrun_jobs` / :func:`dry_run_jobs`: the jobs a run (the ``onstart`` hook) or a dry-run
+  (``snakemake plan``) will run, for :mod:`eagle3_pipeline.plan`;
+- :func:`rule_stage`: the stage of a rule, from the script it runs (a sweep variant's rule reuses
+  its stage's script), so that no list of rule names is kept by hand;
+- :func:`print_start_plan` and :func:`print_resume_hint`: the bodies of the ``onstart`` and
+  ``onerror`` hooks (rules/plan.smk).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+from .layout import RunLayout
+
+
+def rule_stage(rule) -> str:
+    """The stage a Snakemake rule belongs to: the name of the script it runs (one script per stage:
+    ``train_drafter_variant`` runs ``train_drafter.py``), or its name when it runs none (``all``)."""
+    script = getattr(rule, "script", None)
+    return Path(script).stem if script else rule.name
+
+
+def needrun_jobs(workflow) -> list[dict]:
+    """The jobs Snakemake will run, from the DAG a Snakemake ``Workflow`` has built.
+
+    Returns ``[{"rule": name, "stage": name, "wildcards": {name: value}, "input": [paths], "output":
+    [paths]}]`` in dependency order (:func:`in_dependency_order`). ``stage`` is :func:`rule_stage`.
+
+    Snakemake internals (snakemake 9.27.1; no public API returns the jobs): ``Workflow.dag``,
+    which ``Workflow.execute`` builds and post-processes before it calls the ``onstart`` hook
+    (and keeps after a dry-run), ``DAG.needrun_jobs(exclude_finished=False)`` (a dry-run marks
+    its jobs finished), ``Job.rule.name``, ``Job.wildcards_dict`` and ``Job.output``. The
+    public ``DAGApi.execute_workflow(updated_files=...)`` lists the same jobs' output files;
+    ``tests/test_plan.py`` checks this function against it, so a change of these internals
+    fails there.
+
+    Raises:
+        AttributeError: the workflow has no DAG yet, or Snakemake's internals changed.
+    """
+    jobs = [
+        {
+            "rule": j.rule.name,
+            "stage": rule_stage(j.rule),
+            "wildcards": {k: str(v) for k, v in j.wildcards_dict.items()},
+            "output": [str(f) for f in j.output],
+            "input": [str(f) for f in j.input],
+        }
+        for j in workflow.dag.needrun_jobs(exclude_finished=False)
+    ]
+    return in_dependency_order(jobs)
+
+
+def in_dependency_order(jobs: list[dict]) -> list[dict]:
+    """``jobs`` (with ``"input"`` and ``"output"`` paths) sorted so that a job comes after every
+    job whose output it reads (a file, or one inside an output directory); jobs of one level by
+    rule and wildcards. Snakemake's own order is a set's, different at every call."""
+    producer = {o: i for i, j in enumerate(jobs) for o in j["output"]}
+
+    def made_by(path: str) -> int | None:
+        p = Path(path)
+        for q in (p, *p.parents):
+            if str(q) in producer:
+                return producer[str(q)]
+        return None
+
+    deps = [{d for f in j["input"] if (d := made_by(f)) is not None and d != i} for i, j in enumerate(jobs)]
+    level: dict[int, int] = {}
+
+    def depth(i: int, seen: frozenset = frozenset()) -> int:
+        if i not in level:
+            level[i] = 1 + max((depth(d, seen | {i}) for d in deps[i] if d not in seen), default=-1)
+        return level[i]
+
+    key = [(depth(i), j["rule"], sorted(j["wildcards"].items())) for i, j in enumerate(jobs)]
+    return [jobs[i] for i in sorted(range(len(jobs)), key=key.__getitem__)]
+
+
+def dry_run_jobs(snakefile: str | Path, workdir: str | Path, config: dict, targets: list[str] | None = None) -> list[dict]:
+    """The jobs ``snakemake -n`` would run with ``config``, as :func:`needrun_jobs` returns them.
+
+    A dry-run through ``snakemake.api`` (no lock taken, nothing printed): the DAG is built
+    from the same Snakefile, working directory and config, so changed parameters, code or
+    inputs trigger reruns exactly as in ``snakemake -n``. ``config`` (a complete, validated
+    config) is handed over as a ``--configfile`` (a temporary YAML file), which replaces the
+    Snakefile's ``configfile:`` as the user's own ``--configfile`` did. Not JSON: Snakemake
+    reads a JSON config file into ``OrderedDict``s, whose repr differs from the plain dicts a
+    YAML file gives, and a list of mappings in a rule's params (``prompts.sources``) would then
+    count as changed.
+    ``targets``: None for the default target. Takes about as long as ``snakemake -n``.
+
+    Reads the DAG through ``WorkflowApi._workflow`` (snakemake 9.27.1; internal, like
+    :func:`needrun_jobs`, and checked by the same test).
+
+    Raises:
+        snakemake.exceptions.WorkflowError and the like: the workflow does not parse or the
+            DAG cannot be built (what ``snakemake -n`` would report).
+    """
+    import yaml
+    from snakemake.api import SnakemakeApi
+    from snakemake.settings.enums import Quietness
+    from snakemake.settings.types import ConfigSettings, DAGSettings, ExecutionSettings, OutputSettings, ResourceSettings
+
+    with tempfile.TemporaryDirectory() as tmp, SnakemakeApi(OutputSettings(quiet={Quietness.ALL})) as api:
+        configfile = Path(tmp) / "config.yaml"
+        configfile.write_text(yaml.safe_dump(config, sort_keys=False))
+        wf = api.workflow(
+            resource_settings=ResourceSettings(cores=1),
+            config_settings=ConfigSettings(configfiles=[configfile]),
+            snakefile=Path(snakefile).absolute(),
+            workdir=Path(workdir).absolute(),
+        )
+        dag = wf.dag(DAGSettings(targets=set(targets or ())))
+        dag.execute_workflow(executor="local", pseudo_executor="dryrun", execution_settings=ExecutionSettings(lock=False))
+        return needrun_jobs(wf._workflow)
+
+
+def target_rules(workflow) -> set[str]:
+    """The rules of the targets a Snakemake ``Workflow`` was asked for (``DAG.targetjobs``); empty
+    when its DAG is not built or Snakemake's internals changed."""
+    try:
+        return {job.rule.name for job in workflow.dag.targetjobs}
+    except AttributeError:
+        return set()
+
+
+def print_start_plan(workflow, config: dict, layout: RunLayout, target_dir: str | None) -> None:
+    """The ``onstart`` hook: the plan of the jobs Snakemake's DAG will run, printed and kept as
+    :meth:`RunLayout.start_plan`, when any planned stage has a pending job (so not for
+    ``snakemake plan`` itself, whose rule prints its own preview). Never stops a run: a plan is
+    advice. ``target_dir``: None for the embedded target (its known shape)."""
+    from .io import write_json_atomic
+    from .plan import format_plan, plan_dict, plan_run
+
+    try:
+        jobs = needrun_jobs(workflow)
+        stages, platform = plan_run(config, target_dir, layout.dir, jobs)
+    except Exception as e:  # a plan is advice: never stop a run over it
+        print(f"(no plan: {type(e).__name__}: {e})", file=sys.stderr)
+        return
+    if all(s.done for s in stages):
+        return
+    path = layout.start_plan()
+    try:
+        write_json_atomic(path, plan_dict(stages, platform, jobs, kind="start"))
+    except OSError as e:
+        print(f"(plan not kept: {e})", file=sys.stderr)
+    print(
+        f"plan for run {layout.run!r} on {platform} (estimates; kept as {path}):\n" + format_plan(stages, jobs),
+        file=sys.stderr,
+    )
+
+
+def print_resume_hint(workflow, layout: RunLayout) -> None:
+    """The ``onerror`` hook: after a failed or interrupted run, what it keeps and that rerunning
+    resumes (:func:`eagle3_pipeline.resume.kept_work`). Not after ``snakemake verify`` alone: its
+    failure names altered files, which a rerun does not mend."""
+    from .resume import kept_work
+
+    if target_rules(workflow) == {"verify"}:
+        return
+    try:
+        kept = kept_work(layout.dir)
+    except OSError as e:
+        kept = [f"(could not list: {e})"]
+    print(
+        "\nThe run stopped before it finished. Rerun the same command to resume"
+        + (": kept for the rerun,\n  " + "\n  ".join(kept) if kept else ".")
+        + f"\nEach job's log is under {layout.log_dir}/ (Snakemake replaces a job's log when it reruns the job).",
+        file=sys.stderr,
+    )
