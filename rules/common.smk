@@ -1,6 +1,7 @@
 # Config validation, wildcard constraints, resource defaults and input functions.
 # The only place with Python helpers; rules call these by name.
 import sys
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,7 +18,9 @@ from eagle3_pipeline.config import (
 from eagle3_pipeline.io import InputError
 from eagle3_pipeline.parallel import replica_gpus
 from eagle3_pipeline.layout import BUILTIN_TARGET_DIR, RunLayout
+from eagle3_pipeline.lineage import external_sources
 from eagle3_pipeline.prompts import sources_digest
+from eagle3_pipeline.snakemake_adapter import lineage_jobs
 from eagle3_pipeline.sweep import (
     changes,
     shares_drafter,
@@ -294,100 +297,17 @@ def get_final_outputs():
     ]
 
 
-# Rules whose outputs the run manifest (rule write_manifest) describes, in DAG order.
-LINEAGE_RULES = (
-    "prepare_target_model",
-    "prepare_prompts",
-    "prepare_eval_prompts",
-    "generate_traces",
-    "build_vocab_mapping",
-    "extract_hidden_states",
-    "train_drafter",
-    "evaluate_drafter",
-    "summarize_run",
-    "plot_run",
-    "build_vocab_mapping_variant",
-    "train_drafter_variant",
-    "evaluate_drafter_variant",
-    "sweep_table",
-)
-
-
-def _variants_of(rule_name):
-    """The sweep variants that have a job of ``rule_name`` (their own vocab, drafter, evaluation)."""
-    needs = {
-        "build_vocab_mapping_variant": lambda cfg: not shares_vocab(config, cfg),
-        "train_drafter_variant": lambda cfg: not shares_drafter(config, cfg),
-    }.get(rule_name, lambda cfg: True)
-    return [v for v, cfg in VARIANTS.items() if needs(cfg)]
-
-
-def _lineage_paths(files, wildcards):
-    """``{name: [paths]}`` of a rule's input or output files for one job's wildcards."""
-
-    def resolve(item):
-        if callable(item):
-            item = item(wildcards)
-        items = [item] if isinstance(item, str) else list(item)
-        return [str(x).format(**vars(wildcards)) for x in items]
-
-    named = {name: resolve(item) for name, item in files.items()}
-    listed = {id(v) for _, v in files.items()}
-    for item in files:  # unpack()ed input functions: named files of their own
-        if callable(item) and id(item) not in listed:
-            got = item(wildcards)
-            if isinstance(got, dict):
-                named |= {name: resolve(path) for name, path in got.items()}
-    if not named:  # unnamed: summarize_run's output, prepare_target_model's...
-        unnamed = [p for item in files for p in resolve(item)]
-        named = {"": unnamed} if unnamed else {}
-    return named
-
-
-def _lineage_sources(rule_name):
-    """Files outside the workflow's outputs that a rule reads, as source descriptions."""
-    init = config["training"]["init_from"]
-    warm_start = [{"type": "drafter", "path": init}] if init else []
-    return {
-        "prepare_target_model": [{"type": "builtin_target"}],
-        "prepare_prompts": config["prompts"]["sources"]
-        + [config["evaluation"]["prompts"]],
-        "prepare_eval_prompts": [config["evaluation"]["prompts"]],
-        "build_vocab_mapping": warm_start,
-        "train_drafter": warm_start,
-    }.get(rule_name, [])
-
-
 def get_lineage_jobs(wildcards=None):
-    """Every job of the run as ``{rule, wildcards, inputs, outputs, sources}``, from the rules themselves.
-
-    Read from each rule's declared input and output files (``rules.<name>``), so the
-    manifest's graph is the workflow's graph; per-shard rules give one job per shard.
+    """Every job that makes the run's outputs (but the manifest) as ``{rule, wildcards, inputs,
+    outputs, sources}``, read from the rules' declared files: the manifest's graph is the workflow's.
     """
-    jobs = []
-    for name in LINEAGE_RULES:
-        if name == "prepare_target_model" and not is_builtin_target():
-            continue
-        proxy = getattr(rules, name)
-        per_shard = any("{shard}" in str(f) for f in proxy.output)
-        per_variant = any("{variant}" in str(f) for f in proxy.output)
-        if name == "sweep_table" and not VARIANTS:
-            continue
-        if per_variant:
-            wcs = [{"variant": v} for v in _variants_of(name)]
-        else:
-            wcs = [{"shard": s} for s in SHARDS] if per_shard else [{}]
-        for wc in map(lambda d: SimpleNamespace(**d), wcs):
-            jobs.append(
-                {
-                    "rule": name,
-                    "wildcards": vars(wc),
-                    "inputs": _lineage_paths(proxy.input, wc),
-                    "outputs": _lineage_paths(proxy.output, wc),
-                    "sources": _lineage_sources(name),
-                }
-            )
-    return jobs
+    return lineage_jobs(
+        workflow,
+        rules,
+        [f for f in get_final_outputs() if f != layout.manifest()],
+        {"shard": SHARDS, "variant": list(VARIANTS)},
+        partial(external_sources, config),
+    )
 
 
 def get_lineage_outputs(wildcards):

@@ -237,6 +237,19 @@ def test_every_path_the_rules_declare_comes_from_the_layout(tmp_path):
             "train_drafter_variant": "train_drafter",
             "evaluate_drafter_variant": "evaluate_drafter",
         }
+        # the manifest's jobs: those the final outputs need, a variant's only where it has its own files
+        jobs = wf.globals["get_lineage_jobs"]()
+        assert [(j["rule"], j["wildcards"]) for j in jobs if "variant" in j["wildcards"]] == [
+            ("build_vocab_mapping_variant", {"variant": "v8"}),
+            ("train_drafter_variant", {"variant": "ttt1"}),
+            ("train_drafter_variant", {"variant": "v8"}),
+            ("evaluate_drafter_variant", {"variant": "ttt1"}),
+            ("evaluate_drafter_variant", {"variant": "v8"}),
+        ]
+        assert [j["rule"] for j in jobs if not j["wildcards"]] == [
+            "prepare_target_model", "prepare_prompts", "prepare_eval_prompts", "build_vocab_mapping", "train_drafter",
+            "evaluate_drafter", "summarize_run", "plot_run", "sweep_table",
+        ]  # fmt: skip
         # the input functions too: every file the DAG's jobs read or write under results/ is a layout path
         finals = wf.globals["get_lineage_outputs"](None)
         assert len(finals) > 40 and not [p for p in finals if p not in known and not fnmatch.fnmatch(p, lay.plot("*"))]

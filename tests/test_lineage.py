@@ -292,3 +292,56 @@ def test_the_manifest_records_the_bytes_on_disk_and_fails_its_check_for_an_alter
     assert f"sha256 {sha(shard)}" in check["detail"] and f"its index recorded {recorded}" in check["detail"]
     # the drafter's input is the bytes on disk too
     assert {i["sha256"] for i in m["artifacts"]["drafter"]["inputs"] if i["name"] == "shards"} == {sha(shard)}
+
+
+def test_lineage_jobs_are_the_jobs_the_targets_need_from_the_rules_declared_files():
+    from types import SimpleNamespace
+
+    from snakemake.iocontainers import Namedlist
+
+    from eagle3_pipeline.snakemake_adapter import lineage_jobs
+
+    def files(*items, **named):
+        nl = Namedlist(list(items) + list(named.values()))
+        for i, name in enumerate(named):
+            nl._set_name(name, len(items) + i)
+        return nl
+
+    def vocab(wc):
+        return {"d2t": f"r/sweep/{wc.variant}/d2t.npy"}
+
+    rules = SimpleNamespace(
+        model=SimpleNamespace(input=files(), output=files("m")),
+        unused=SimpleNamespace(input=files(), output=files("x")),  # nothing reads it
+        shard=SimpleNamespace(input=files(model="m"), output=files(out="r/s-{shard}.st")),
+        vocab_v=SimpleNamespace(input=files(), output=files(d2t="r/sweep/{variant}/d2t.npy")),
+        train_v=SimpleNamespace(
+            input=files(vocab, shards=lambda wc: ["r/s-0.st", "r/s-1.st"]), output=files(drafter="r/sweep/{variant}/drafter")
+        ),
+        report=SimpleNamespace(input=files(), output=files()),  # no outputs (like rule all): never a job
+    )
+    workflow = SimpleNamespace(rules=[SimpleNamespace(name=n) for n in vars(rules)])
+    jobs = lineage_jobs(workflow, rules, ["r/sweep/a/drafter"], {"shard": ["0", "1"], "variant": ["a", "b"]}, lambda name: [{"rule": name}])
+    assert [(j["rule"], j["wildcards"]) for j in jobs] == [
+        ("model", {}),
+        ("shard", {"shard": "0"}),
+        ("shard", {"shard": "1"}),
+        ("vocab_v", {"variant": "a"}),
+        ("train_v", {"variant": "a"}),
+    ]
+    train = jobs[-1]
+    assert train["inputs"] == {"shards": ["r/s-0.st", "r/s-1.st"], "d2t": ["r/sweep/a/d2t.npy"]}
+    assert train["outputs"] == {"drafter": ["r/sweep/a/drafter"]} and train["sources"] == [{"rule": "train_v"}]
+    assert jobs[0]["outputs"] == {"": ["m"]} and jobs[1]["inputs"] == {"model": ["m"]}
+
+
+def test_external_sources_are_what_a_rule_reads_by_config():
+    from eagle3_pipeline.config import validate_config
+    from eagle3_pipeline.lineage import external_sources
+
+    cfg = validate_config({"training": {"init_from": "old/drafter"}})
+    prompts = cfg["prompts"]["sources"]
+    assert external_sources(cfg, "prepare_prompts") == [*prompts, {"type": "builtin_mtbench"}]
+    assert external_sources(cfg, "train_drafter") == [{"type": "drafter", "path": "old/drafter"}]
+    assert external_sources(cfg, "prepare_target_model") == [{"type": "builtin_target"}]
+    assert external_sources(validate_config({}), "build_vocab_mapping") == [] == external_sources(cfg, "summarize_run")

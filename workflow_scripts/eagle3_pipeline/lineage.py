@@ -53,7 +53,7 @@ How each ``sha256`` is obtained (``hash``):
   longer than the run's last stages).
 
 Built from the rules' declared inputs and outputs (``get_lineage_jobs`` in
-``rules/common.smk``) and the files themselves; it does not read Snakemake's
+``rules/write_manifest.smk``, :func:`eagle3_pipeline.snakemake_adapter.lineage_jobs`) and the files themselves; it does not read Snakemake's
 ``.snakemake/`` metadata. :func:`check_manifest` re-checks a written manifest
 (``snakemake verify``).
 """
@@ -261,6 +261,22 @@ def _distinct(values: list) -> list:
     return out
 
 
+def external_sources(config: dict, rule: str) -> list[dict]:
+    """The files outside the workflow's outputs that a job of ``rule`` reads, as source descriptions
+    (:func:`source_file`): the embedded target's package, the prompt and evaluation sources, a
+    warm-start drafter (``training.init_from``). Snakemake does not know them: they are no declared
+    input (a rule reads them by config)."""
+    init = config["training"]["init_from"]
+    warm_start = [{"type": "drafter", "path": init}] if init else []
+    return {
+        "prepare_target_model": [{"type": "builtin_target"}],
+        "prepare_prompts": config["prompts"]["sources"] + [config["evaluation"]["prompts"]],
+        "prepare_eval_prompts": [config["evaluation"]["prompts"]],
+        "build_vocab_mapping": warm_start,
+        "train_drafter": warm_start,
+    }.get(rule, [])
+
+
 # --------------------------------------------------------------------------- the manifest
 
 
@@ -271,7 +287,7 @@ def build_manifest(run_dir: str | os.PathLike, jobs: list[dict], config: dict, t
         run_dir: ``results/<run>``; artifact keys are relative to it.
         jobs: the run's jobs, each ``{"rule", "wildcards", "inputs": {name: [paths]},
             "outputs": {name: [paths]}, "sources": [source descriptions]}`` with paths as the
-            workflow names them (``get_lineage_jobs`` in ``rules/common.smk``).
+            workflow names them (``get_lineage_jobs`` in ``rules/write_manifest.smk``).
         config: the validated config.
         target: the target model directory (as the rules name it).
         hasher: a :class:`Hasher` to share file hashes with (a new one if ``None``).

@@ -10,14 +10,19 @@ here, and nowhere else, so that a change of Snakemake's internals fails in one p
 - :func:`rule_stage`: the stage of a rule, from the script it runs (a sweep variant's rule reuses
   its stage's script), so that no list of rule names is kept by hand;
 - :func:`print_start_plan` and :func:`print_resume_hint`: the bodies of the ``onstart`` and
-  ``onerror`` hooks (rules/plan.smk).
+  ``onerror`` hooks (rules/plan.smk);
+- :func:`lineage_jobs`: every job of the run with its declared files, for the run manifest
+  (rules/write_manifest.smk).
 """
 
 from __future__ import annotations
 
+import itertools
+import re
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 from .layout import RunLayout
 
@@ -177,3 +182,73 @@ def print_resume_hint(workflow, layout: RunLayout) -> None:
         + f"\nEach job's log is under {layout.log_dir}/ (Snakemake replaces a job's log when it reruns the job).",
         file=sys.stderr,
     )
+
+
+def _declared_paths(files, wildcards: dict) -> dict[str, list[str]]:
+    """``{name: [paths]}`` of a rule's declared input or output files (``rules.<name>.input``) for one
+    job's ``wildcards``: input functions called, ``unpack()``ed ones giving named files of their own,
+    unnamed files under the name ``""``."""
+    wc = SimpleNamespace(**wildcards)
+
+    def resolve(item):
+        if callable(item):
+            item = item(wc)
+        items = [item] if isinstance(item, str) else list(item)
+        return [str(x).format(**wildcards) for x in items]
+
+    named = {name: resolve(item) for name, item in files.items()}
+    listed = {id(v) for _, v in files.items()}
+    for item in files:  # unpack()ed input functions: named files of their own
+        if callable(item) and id(item) not in listed:
+            got = item(wc)
+            if isinstance(got, dict):
+                named |= {name: resolve(path) for name, path in got.items()}
+    if not named:  # unnamed: summarize_run's output, prepare_target_model's...
+        unnamed = [p for item in files for p in resolve(item)]
+        named = {"": unnamed} if unnamed else {}
+    return named
+
+
+def lineage_jobs(workflow, rules, targets: list[str], wildcard_values: dict[str, list[str]], sources) -> list[dict]:
+    """Every job that makes ``targets``, as ``{rule, wildcards, inputs, outputs, sources}``, from the
+    rules' declared files, so that the run manifest's graph is the workflow's graph.
+
+    Walks back from ``targets`` (the run's final outputs) as Snakemake's DAG does, but from the
+    rules alone (no DAG exists while input functions are evaluated): a job is in when another
+    job in, or a target, reads one of its outputs. So a variant whose vocabulary is the run's
+    has no vocabulary job, and the embedded target's job is there only when a job reads it. Jobs
+    come in the order the rules are defined, a rule's jobs in the order of ``wildcard_values``.
+
+    Args:
+        workflow: the Snakemake ``Workflow`` (``workflow.rules``: its rules, in definition order).
+        rules: the Snakefile's ``rules`` namespace (``rules.<name>.input``/``output`` without
+            wildcard constraints).
+        targets: the files the run makes.
+        wildcard_values: every value of each wildcard (``{"shard": [...], "variant": [...]}``).
+        sources: ``sources(rule name)``: the files outside the workflow a rule reads, as source
+            descriptions.
+    """
+    candidates = []
+    for rule in workflow.rules:
+        proxy = getattr(rules, rule.name)
+        outputs = [str(f) for f in proxy.output]
+        if not outputs:
+            continue
+        names = sorted({n for f in outputs for n in re.findall(r"\{(\w+)\}", f)})
+        for values in itertools.product(*(wildcard_values[n] for n in names)):
+            wc = dict(zip(names, values, strict=True))
+            candidates.append((rule.name, proxy, wc, _declared_paths(proxy.output, wc)))
+    needed, chosen = set(targets), {}
+    while True:
+        new = [i for i, (*_, outs) in enumerate(candidates) if i not in chosen and any(p in needed for ps in outs.values() for p in ps)]
+        if not new:
+            break
+        for i in new:
+            name, proxy, wc, _outs = candidates[i]
+            chosen[i] = _declared_paths(proxy.input, wc)
+            needed |= {p for ps in chosen[i].values() for p in ps}
+    return [
+        {"rule": name, "wildcards": wc, "inputs": chosen[i], "outputs": outs, "sources": sources(name)}
+        for i, (name, _proxy, wc, outs) in enumerate(candidates)
+        if i in chosen
+    ]
