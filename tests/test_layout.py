@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3_pipeline.layout import BUILTIN_TARGET_DIR, RunLayout, index_beside, rejects_beside, summary_beside
+from eagle3_pipeline.layout import BUILTIN_TARGET_DIR, RunLayout, index_beside, pids_of, rejects_beside, summary_beside
 
 # The files of a finished reduced run with sweep variants (.test/config.yaml, run "e2e"; variants
 # ttt1 with a training of its own and vocab8k with a vocab of its own), as the workflow wrote
@@ -134,6 +134,8 @@ def test_run_state_paths():
     lay = RunLayout("r")
     assert lay.pids() == "results/r/.pids"
     assert lay.variant("v").pids() == "results/r/.pids"  # a variant's engines are recorded with the run's
+    # a shard job's library code finds the same folder from its output
+    assert pids_of(lay.traces("00001")).as_posix() == pids_of(lay.hidden_states("00000")).as_posix() == lay.pids()
     assert lay.train_checkpoint() == "results/r/train/.checkpoint"
     assert lay.variant("v").train_checkpoint() == "results/r/sweep/v/train/.checkpoint"
     assert lay.plan_preview() == "results/r/plan.json"

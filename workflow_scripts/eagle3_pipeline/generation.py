@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .conventions import answer_id, prompt_of, repetition_loop
 from .io import InputError, sha256_json
+from .layout import pids_of, summary_beside
 from .prompts import Reject
 from .runtime import Timer, progress
 
@@ -187,8 +188,7 @@ def _requests(
 
 def traces_summary_path(traces_path: str | os.PathLike) -> Path:
     """The ``.summary.json`` a trace shard's job writes beside it (counts, ``traces_sha256``)."""
-    p = Path(traces_path)
-    return p.with_name(p.name.replace(".jsonl", ".summary.json"))
+    return summary_beside(traces_path)
 
 
 def recorded_traces_sha256(traces_path: str | os.PathLike) -> str:
@@ -442,7 +442,7 @@ def _generation_replica(job: dict, rank: int, chunks) -> None:
     params, records, ranges = job["params"], job["records"], job["ranges"]
     store = ChunkStore.attach(job["traces"], ".jsonl")
     stem = Path(job["traces"]).stem
-    pids = ProcessRecord(Path(job["traces"]).parents[1] / ".pids", stem if rank == 0 else f"{stem}.replica{rank}")
+    pids = ProcessRecord(pids_of(job["traces"]), stem if rank == 0 else f"{stem}.replica{rank}")
     load = Timer()
     llm = build_llm(
         job["target"],
@@ -566,7 +566,7 @@ def run_generation_shard(
         vcfg = params["vllm"]
         wall = Timer()
         if todo:
-            cleanup_stale_processes(Path(out["traces"]).parents[1] / ".pids")
+            cleanup_stale_processes(pids_of(out["traces"]))
             check_gpus_free()
             job = {
                 "params": params,

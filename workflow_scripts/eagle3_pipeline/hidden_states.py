@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .io import write_json_atomic
+from .layout import pids_of
 from .shards import DONE_SUFFIX, FP8, STORAGE_DTYPES, prepare_partial_shard, sample_from_trace, shard_index
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ def run_extraction_shard(
             return done
         # engines of a killed earlier job may still be writing into the partial shard: end them
         # before counting its done chunks (and before the GPU check below)
-        cleanup_stale_processes(Path(out_shard).parents[1] / ".pids")
+        cleanup_stale_processes(pids_of(out_shard))
         store = ChunkStore(out_shard, fingerprint, DONE_SUFFIX)
         if store.take_finished([out_shard, out_index]):
             index = read_json(out_index)

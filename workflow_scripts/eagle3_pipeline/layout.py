@@ -49,6 +49,12 @@ def rejects_beside(traces_path: str | os.PathLike) -> Path:
     return p.with_name(p.name.replace(".jsonl", ".rejects.jsonl"))
 
 
+def pids_of(shard_output: str | os.PathLike) -> Path:
+    """The run's process records folder (:meth:`RunLayout.pids`) for one output of a per-shard job
+    (``results/<run>/<stage>/shard-NNNNN.*``), which is all a shard job's library code is handed."""
+    return Path(shard_output).parents[1] / PIDS_DIR
+
+
 class RunLayout:
     """The files of run ``run``: results under ``<results>/<run>/``, logs under ``<logs>/<run>/``.
 

@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from .io import atomic_path, write_text_atomic
+from .layout import CHECKPOINT_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +225,7 @@ def kept_work(run_dir: str | os.PathLike) -> list[str]:
         final = d.parent / d.name[1 : -len(".partial")]
         n = sum(bool(re.fullmatch(r"chunk-\d{6}\.[a-z]+", p.name)) for p in d.iterdir())  # not specs, temp files
         lines.append(f"{n} finished chunk(s) of {final}")
-    for meta in sorted(root.rglob(".checkpoint/progress.json")):
+    for meta in sorted(root.rglob(f"{CHECKPOINT_DIR}/progress.json")):
         ck = checkpoint_progress(meta.parent)
         if ck is None:
             lines.append(f"training checkpoint in {meta.parent} (progress.json unreadable)")

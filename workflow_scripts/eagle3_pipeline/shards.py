@@ -36,6 +36,7 @@ import torch
 
 from .conventions import loss_mask
 from .io import atomic_path, file_stat, sha256_file, write_json_atomic
+from .layout import index_beside
 
 logger = logging.getLogger(__name__)
 
@@ -392,8 +393,7 @@ def write_shard(
 
 def shard_index_path(shard: str | os.PathLike) -> Path:
     """The ``.index.json`` beside a hidden-state shard (``shard-00000.safetensors`` → ``shard-00000.index.json``)."""
-    p = Path(shard)
-    return p.with_name(p.name.replace(".safetensors", ".index.json"))
+    return index_beside(shard)
 
 
 def shard_index(

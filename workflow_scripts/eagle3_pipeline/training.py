@@ -29,6 +29,7 @@ import torch
 
 from .conventions import drafter_aux_columns, prompt_of, repetition_loop
 from .io import InputError, atomic_dir, record_files, sha256_file, sha256_json, write_text_atomic
+from .layout import CHECKPOINT_DIR
 from .runtime import Timer, progress
 from .shards import ShardReader
 
@@ -807,7 +808,7 @@ def train(
         d2t.shape[0],
     )
     ckpt = TrainCheckpoint(
-        Path(metrics_path).parent / ".checkpoint",
+        Path(metrics_path).parent / CHECKPOINT_DIR,  # RunLayout.train_checkpoint
         # loader processes do not change the batches: a resume may use another number
         fingerprint,
     )

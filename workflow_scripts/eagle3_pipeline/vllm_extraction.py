@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from .io import atomic_path, write_text_atomic
+from .layout import pids_of
 
 logger = logging.getLogger(__name__)
 
@@ -341,7 +342,7 @@ def vllm_extraction_replica(job: dict, rank: int, chunks) -> None:
     load_s = load.seconds
     # the engine's processes, ended by the next full-model job if this one is killed
     stem = Path(job["out_shard"]).name.removesuffix(".safetensors")
-    pids = ProcessRecord(Path(job["out_shard"]).parents[1] / ".pids", f"extract-{stem}" if rank == 0 else f"extract-{stem}.replica{rank}")
+    pids = ProcessRecord(pids_of(job["out_shard"]), f"extract-{stem}" if rank == 0 else f"extract-{stem}.replica{rank}")
     pids.record()
     engine = llm.llm_engine
     run = Timer()
