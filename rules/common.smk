@@ -12,11 +12,11 @@ from snakemake.exceptions import WorkflowError
 from eagle3_pipeline.config import (
     ConfigError,
     check_against_target,
+    job_settings,
     result_settings,
     validate_config,
 )
 from eagle3_pipeline.io import InputError
-from eagle3_pipeline.parallel import replica_gpus
 from eagle3_pipeline.layout import BUILTIN_TARGET_DIR, RunLayout
 from eagle3_pipeline.lineage import external_sources
 from eagle3_pipeline.prompts import sources_digest
@@ -53,48 +53,16 @@ RUN = config["run"]
 # every path under results/<run>/ and logs/<run>/ (eagle3_pipeline/layout.py)
 layout = RunLayout(RUN)
 SHARDS = [f"{i:05d}" for i in range(config["prompts"]["num_shards"])]
-_V = config["vllm"]
-_ENGINE_GPUS = _V["tensor_parallel_size"] * _V["pipeline_parallel_size"]
-_X = config["extraction"]
-if _X["data_parallel_size"] is None:
-    _X["data_parallel_size"] = _V["data_parallel_size"]
-if _X["gpus_per_replica"] is None:
-    _X["gpus_per_replica"] = _ENGINE_GPUS
-_OVERRIDE_GPUS = config["resources"]["full_model_gpus"]
-# GPUs each full-model job uses (its `gpu` resource; --gpus on SLURM).
-# vllm.replicas_per_gpu engines share each GPU (one-GPU engines only: config validation).
-_PER_GPU = _V["replicas_per_gpu"]
-_X_PER_GPU = _PER_GPU if _X["backend"] == "vllm" else 1
-GENERATION_GPUS = (
-    _OVERRIDE_GPUS
-    if _OVERRIDE_GPUS is not None
-    else replica_gpus(_V["data_parallel_size"], _ENGINE_GPUS, _PER_GPU)
-)
-EXTRACTION_GPUS = (
-    _OVERRIDE_GPUS
-    if _OVERRIDE_GPUS is not None
-    else replica_gpus(_X["data_parallel_size"], _X["gpus_per_replica"], _X_PER_GPU)
-)
-EVALUATION_GPUS = _OVERRIDE_GPUS if _OVERRIDE_GPUS is not None else _ENGINE_GPUS
-TRAIN_PROCESSES = max(1, config["resources"]["train_gpus"])
-# Params are the result settings alone (config/schema.yaml marks the others x-result: false:
-# data-parallel sizes, replicas per GPU, chunk sizes, loader workers): changing those reruns
-# nothing, and the scripts read them from the config. Tensor/pipeline parallel sizes are
-# params: they change numerics.
-VLLM_PARAMS = result_settings(config, "vllm")
-GENERATION_PARAMS = result_settings(config, "generation")
-EXTRACTION_PARAMS = result_settings(config, "extraction")
-if _X["backend"] == "vllm":
-    # a vLLM replica is one engine: its GPUs are the engine's tensor x pipeline parallel size
-    if _X["gpus_per_replica"] != _ENGINE_GPUS:
-        raise WorkflowError(
-            f"extraction.gpus_per_replica={_X['gpus_per_replica']} but the vllm backend's replica is one engine "
-            f"of vllm.tensor_parallel_size x pipeline_parallel_size = {_ENGINE_GPUS} GPUs; set it to {_ENGINE_GPUS} or null"
-        )
-    EXTRACTION_PARAMS["engine"] = VLLM_PARAMS
-    # transformers-only settings do not change what vLLM writes: no rerun when they change
-    for _k in ("batch_tokens", "device"):
-        EXTRACTION_PARAMS.pop(_k)
+try:
+    _J = job_settings(
+        config
+    )  # GPUs per full-model job, params (eagle3_pipeline/config.py)
+except ConfigError as e:
+    raise WorkflowError(str(e))
+GENERATION_GPUS, EXTRACTION_GPUS = _J["generation_gpus"], _J["extraction_gpus"]
+EVALUATION_GPUS, TRAIN_PROCESSES = _J["evaluation_gpus"], _J["train_processes"]
+VLLM_PARAMS, GENERATION_PARAMS = _J["vllm_params"], _J["generation_params"]
+EXTRACTION_PARAMS = _J["extraction_params"]
 
 
 def training_params(cfg):

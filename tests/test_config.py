@@ -149,3 +149,18 @@ def test_every_schema_property_uses_only_schema_keywords():
             walk(sub, f"{path}{key}.")
 
     walk(load_schema())
+
+
+def test_job_settings_give_each_stage_its_gpus_and_result_params():
+    from eagle3_pipeline.config import ConfigError, job_settings, validate_config
+
+    cfg = validate_config({"vllm": {"data_parallel_size": 2, "replicas_per_gpu": 2}, "extraction": {"backend": "vllm"}})
+    got = job_settings(cfg)
+    assert (got["generation_gpus"], got["extraction_gpus"], got["evaluation_gpus"], got["train_processes"]) == (1, 1, 1, 1)
+    assert cfg["extraction"]["data_parallel_size"] == 2 and cfg["extraction"]["gpus_per_replica"] == 1  # filled in
+    assert got["extraction_params"]["engine"] == got["vllm_params"] and "batch_tokens" not in got["extraction_params"]
+    hf = job_settings(validate_config({"vllm": {"tensor_parallel_size": 2}, "resources": {"train_gpus": 2}}))
+    assert (hf["generation_gpus"], hf["extraction_gpus"], hf["evaluation_gpus"], hf["train_processes"]) == (2, 2, 2, 2)
+    assert "engine" not in hf["extraction_params"] and "batch_tokens" in hf["extraction_params"]
+    with pytest.raises(ConfigError, match="extraction.gpus_per_replica=2 but the vllm backend's replica is one engine"):
+        job_settings(validate_config({"extraction": {"backend": "vllm", "gpus_per_replica": 2}}))

@@ -103,6 +103,58 @@ def runtime_keys(section: str) -> frozenset[str]:
     return frozenset(k for k, v in props.items() if v.get("x-result") is False)
 
 
+def job_settings(config: dict) -> dict:
+    """What the rules give each stage's jobs, from a validated config: the GPUs each full-model
+    job uses (its ``gpu`` resource; ``--gpus`` on SLURM), training's process count, and the
+    params of generation, extraction and the vLLM engine.
+
+    Fills ``extraction.data_parallel_size`` and ``gpus_per_replica`` in ``config`` where null
+    (vLLM's data-parallel size, one engine's GPUs). Params are the result settings alone
+    (:func:`result_settings`): changing the others reruns nothing, and the scripts read them
+    from the config; tensor/pipeline parallel sizes are params (they change numerics). With the
+    vllm extraction backend, extraction's params hold the engine's and not transformers-only
+    settings. ``vllm.replicas_per_gpu`` engines share each GPU.
+
+    Returns:
+        ``{"generation_gpus", "extraction_gpus", "evaluation_gpus", "train_processes",
+        "vllm_params", "generation_params", "extraction_params"}``.
+
+    Raises:
+        ConfigError: ``extraction.gpus_per_replica`` is not one engine's GPUs with the vllm backend.
+    """
+    from .parallel import replica_gpus
+
+    v, x = config["vllm"], config["extraction"]
+    engine_gpus = v["tensor_parallel_size"] * v["pipeline_parallel_size"]
+    if x["data_parallel_size"] is None:
+        x["data_parallel_size"] = v["data_parallel_size"]
+    if x["gpus_per_replica"] is None:
+        x["gpus_per_replica"] = engine_gpus
+    override = config["resources"]["full_model_gpus"]
+    x_per_gpu = v["replicas_per_gpu"] if x["backend"] == "vllm" else 1
+    out = {
+        "generation_gpus": override if override is not None else replica_gpus(v["data_parallel_size"], engine_gpus, v["replicas_per_gpu"]),
+        "extraction_gpus": override if override is not None else replica_gpus(x["data_parallel_size"], x["gpus_per_replica"], x_per_gpu),
+        "evaluation_gpus": override if override is not None else engine_gpus,
+        "train_processes": max(1, config["resources"]["train_gpus"]),
+        "vllm_params": result_settings(config, "vllm"),
+        "generation_params": result_settings(config, "generation"),
+        "extraction_params": result_settings(config, "extraction"),
+    }
+    if x["backend"] == "vllm":
+        # a vLLM replica is one engine: its GPUs are the engine's tensor x pipeline parallel size
+        if x["gpus_per_replica"] != engine_gpus:
+            raise ConfigError(
+                f"extraction.gpus_per_replica={x['gpus_per_replica']} but the vllm backend's replica is one engine "
+                f"of vllm.tensor_parallel_size x pipeline_parallel_size = {engine_gpus} GPUs; set it to {engine_gpus} or null"
+            )
+        out["extraction_params"]["engine"] = out["vllm_params"]
+        # transformers-only settings do not change what vLLM writes: no rerun when they change
+        for k in ("batch_tokens", "device"):
+            out["extraction_params"].pop(k)
+    return out
+
+
 def result_settings(cfg: dict, section: str) -> dict:
     """``cfg[section]`` without its runtime settings (:func:`runtime_keys`): a rule's params, a
     resume fingerprint or a sweep's comparison, so that changing those settings reruns nothing."""
