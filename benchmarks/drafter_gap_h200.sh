@@ -18,10 +18,10 @@ date -u +"pipeline %T"
 timeout $((DEADLINE / 2)) .venv/bin/snakemake results/gap-h200/train/summary.json results/gap-h200/eval/prompts.jsonl \
   --cores 16 --configfile $C > "$OUT/drafter_gap_h200.snakemake.log" 2>&1 || { echo "the run did not reach its drafter"; exit 1; }
 date -u +"reference trainer and gap rows %T ($SECONDS s)"
-.venv/bin/python benchmarks/reference_trainer.py --configfile $C --stage train --out "$OUT/reference_trainer_h200.json" \
+[ "${REFERENCE:-1}" = 1 ] && .venv/bin/python benchmarks/reference_trainer.py --configfile $C --stage train --out "$OUT/reference_trainer_h200.json" \
   > "$OUT/reference_trainer_h200.log" 2>&1 &
 REF=$!
-sleep 60  # the trainer takes its memory before the first engine profiles the GPU's
+[ "${REFERENCE:-1}" = 1 ] && sleep 60  # the trainer takes its memory before the first engine profiles the GPU's
 .venv/bin/python benchmarks/drafter_gap.py --configfile $C --config "$HALF" --prompts "$PROMPTS" \
   --deadline $((DEADLINE - SECONDS - 200)) --out "$OUT/drafter_gap_h200.json" --rows vllm/default \
   offline/same-tokens/eval offline/validation-short tensors vllm/runner-v1 vllm/runner-v2 vllm/prefix-cache vllm/k1 \

@@ -107,7 +107,7 @@ def build_llm(
     checkpoint's dtype, or float32 on a CPU without fast bf16
     (:func:`eagle3_pipeline.precision.resolve_dtype`). Data-parallel replicas that share a
     GPU (``vllm.replicas_per_gpu``) each take their part of ``gpu_memory_utilization`` and
-    start their engines one at a time (:func:`eagle3_pipeline.parallel.engine_start_turn`).
+    start their engines one at a time (:func:`eagle3_pipeline.parallel.engine_turn`).
 
     Args:
         model: local model directory.
@@ -124,7 +124,7 @@ def build_llm(
         clear_thread_env()
     from vllm import LLM
 
-    from .parallel import engine_start_turn, memory_share
+    from .parallel import engine_turn, memory_share
 
     kwargs: dict[str, Any] = {
         "model": model,
@@ -151,7 +151,7 @@ def build_llm(
     if "gpu_memory_utilization" in kwargs:  # replicas sharing a GPU split its share, whoever set it
         kwargs["gpu_memory_utilization"] = memory_share(kwargs["gpu_memory_utilization"])
     logger.info("starting vLLM engine: %s", {k: v for k, v in kwargs.items() if k != "model"} | {"model": model})
-    with engine_start_turn():
+    with engine_turn():
         return LLM(**kwargs)
 
 
@@ -159,11 +159,16 @@ def shutdown_llm(llm) -> None:
     """Stop a ``vllm.LLM``'s engine processes now (not at interpreter exit).
 
     Full-model stages call it before releasing the host-wide lock, so the next model
-    load never overlaps the previous engine's teardown.
+    load never overlaps the previous engine's teardown. Replicas sharing a GPU stop their
+    engines in their GPU's turn (:func:`eagle3_pipeline.parallel.engine_turn`), never while
+    another engine on it profiles its memory.
     """
+    from .parallel import engine_turn
+
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is not None:
-        core.shutdown()
+        with engine_turn():
+            core.shutdown()
 
 
 def feed_engine(
