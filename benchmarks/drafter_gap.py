@@ -263,11 +263,15 @@ def tensors_job(job: dict) -> dict:
     hook = drafter.lm_head.register_forward_hook(lambda _m, _i, o: step_logits.append(o.detach().float().cpu()[0]))
     hs_dtype, autocast = training_dtypes(job["training"], device)
     h = states[:, : len(aux)].reshape(len(seq), -1)
+    # one document padded as training's packs are (speculators' collate: document id -1 past the
+    # end) to a multiple of flex attention's 128-token blocks, whose mask covers whole blocks
+    n, padded = len(seq) - 1, -(-(len(seq) - 1) // 128) * 128
+    pad = padded - n
     batch = {
-        "hidden_states": h[:-1].unsqueeze(0).to(device, hs_dtype),
-        "input_ids": torch.tensor(seq[1:], device=device).unsqueeze(0),
-        "document_ids": torch.zeros(1, len(seq) - 1, dtype=torch.long, device=device),
-        "position_ids": torch.arange(1, len(seq), device=device).unsqueeze(0),
+        "hidden_states": torch.cat([h[:-1], h.new_zeros(pad, h.shape[1])]).unsqueeze(0).to(device, hs_dtype),
+        "input_ids": torch.tensor(seq[1:] + [0] * pad, device=device).unsqueeze(0),
+        "document_ids": torch.tensor([0] * n + [-1] * pad, device=device).unsqueeze(0),
+        "position_ids": torch.tensor(list(range(1, len(seq))) + [0] * pad, device=device).unsqueeze(0),
     }
     with torch.no_grad(), torch.autocast(device.split(":")[0], dtype=autocast, enabled=autocast is not None):
         drafter(**batch, ttt_steps=k)

@@ -71,3 +71,11 @@ def test_the_draft_decoder_config_is_speculators_default_draft(tmp_path, target_
         want = reference(path, 2, "llama", None, 4096, [0, 1]).to_dict()
     got = draft_decoder_config(path, 2, 4096).to_dict()
     assert got == want
+
+
+def test_default_aux_ids_of_a_shallow_target_are_an_error_naming_the_setting():
+    """[2, n//2, n-3] is three ascending layers from n = 7 on; 6 layers would give [2, 3, 3]."""
+    assert default_aux_layer_ids(7) == [2, 3, 4]
+    for n in (4, 5, 6):
+        with pytest.raises(ValueError, match=rf"of a {n}-layer target are .* set extraction.aux_layer_ids"):
+            default_aux_layer_ids(n)

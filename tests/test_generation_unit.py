@@ -357,3 +357,32 @@ def test_answer_ids_and_their_prompt():
     assert {prompt_of(answer_id(pid, j)) for j in range(12)} == {pid}
     for other in ("s0-5", "0123456789abcdef-x", "abc-1", "0123456789abcdef0-1"):  # not an answer id: its own prompt
         assert prompt_of(other) == other
+
+
+@pytest.mark.parametrize(
+    ("model_type", "architecture", "supported"),
+    [
+        ("qwen3", "Qwen3ForCausalLM", True),
+        ("qwen3_moe", "Qwen3MoeForCausalLM", True),
+        ("deepseek_v3", "DeepseekV3ForCausalLM", True),
+        ("mistral", "MistralForCausalLM", True),
+        ("gpt_oss", "GptOssForCausalLM", True),
+        ("gemma3_text", "Gemma3ForCausalLM", False),
+        ("gemma2", "Gemma2ForCausalLM", False),
+    ],
+)
+def test_the_family_table_of_eagle3_support(tmp_path, model_type, architecture, supported):
+    """docs/model-families.md's "vLLM eagle3" column, read from the installed vLLM's model classes."""
+    from transformers import AutoConfig
+
+    from eagle3_pipeline.engine import check_eagle3_target
+    from eagle3_pipeline.io import InputError
+
+    cfg = AutoConfig.for_model(model_type)
+    cfg.architectures = [architecture]
+    cfg.save_pretrained(tmp_path)
+    if supported:
+        assert check_eagle3_target(str(tmp_path)) == architecture
+    else:
+        with pytest.raises(InputError, match=rf"{architecture} has no EAGLE-3 support"):
+            check_eagle3_target(str(tmp_path))

@@ -40,14 +40,14 @@ def test_replicas_per_gpu_share_each_gpu_in_turn():
 
 
 def _record_engine_start(out_dir: str, rank: int, items) -> None:
-    """A worker that 'starts an engine' inside engine_start_turn and records when, with what share, and
+    """A worker that 'starts an engine' inside engine_turn and records when, with what share, and
     whether, while in its turn, it saw an engine of another GPU in its turn too (waiting up to 20 s)."""
     import time
 
-    from eagle3_pipeline.parallel import engine_start_turn, memory_share
+    from eagle3_pipeline.parallel import engine_turn, memory_share
 
     gpu = os.environ.get("CUDA_VISIBLE_DEVICES")
-    with engine_start_turn():
+    with engine_turn():
         t0 = time.monotonic()
         Path(out_dir, f"turn-{gpu}-{rank}").touch()
         deadline = time.monotonic() + 20
@@ -348,3 +348,46 @@ def test_more_training_processes_than_gpus_is_a_clear_error(monkeypatch):
     cfg = validate_config({"training": {"device": "cuda"}})["training"]
     with pytest.raises(RuntimeError, match=r"resources.train_gpus=2 but this job sees 1 GPU\(s\)"):
         run_training({"cfg": cfg}, 2)
+
+
+def test_a_replica_that_finds_no_chunk_left_starts_no_engine():
+    """Each replica takes its first chunk before its worker (and engine) starts; one whose first
+    take is the end marker gets nothing to run."""
+    import queue as q
+
+    from eagle3_pipeline.parallel import replica_items
+
+    shared = q.Queue()
+    for x in (4, 7, None, None):  # two chunks, two replicas
+        shared.put(x)
+    assert list(replica_items(shared)) == [4, 7]  # the first replica took both chunks and its end marker
+    assert replica_items(shared) is None  # the second finds only its end marker: no worker, no engine
+
+
+def test_an_engine_stops_in_its_gpus_turn(monkeypatch):
+    """shutdown_llm waits while another engine on the same GPU holds the turn (starting, i.e. profiling
+    the GPU's memory), and stops its engine only once that start is over."""
+    import threading
+    import time
+
+    from eagle3_pipeline import parallel
+    from eagle3_pipeline.engine import shutdown_llm
+
+    lock = threading.Lock()
+    monkeypatch.setattr(parallel, "_START_LOCK", lock)
+    events = []
+
+    class Core:
+        def shutdown(self):
+            events.append(("stopped", time.monotonic()))
+
+    llm = type("LLM", (), {"llm_engine": type("E", (), {"engine_core": Core()})()})()
+    lock.acquire()  # another replica's engine is starting
+    stopper = threading.Thread(target=shutdown_llm, args=(llm,))
+    stopper.start()
+    time.sleep(0.3)
+    assert events == []  # still waiting for the turn
+    events.append(("start over", time.monotonic()))
+    lock.release()
+    stopper.join(5)
+    assert [e[0] for e in events] == ["start over", "stopped"]

@@ -30,15 +30,21 @@ import numpy as np
 
 
 def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
-    """Default EAGLE-3 aux layer ids ``[2, n//2, n-3]`` (speculators/vLLM default).
+    """Default EAGLE-3 aux layer ids ``[2, n//2, n-3]`` (speculators' and vLLM's default,
+    ``get_eagle3_aux_hidden_state_layers``).
 
     Raises:
-        ValueError: ``num_hidden_layers < 4`` (the three ids would not be distinct).
+        ValueError: ``num_hidden_layers < 7``: the three ids would repeat or descend (6 layers
+            give ``[2, 3, 3]``); the message says to set ``extraction.aux_layer_ids``.
     """
     n = int(num_hidden_layers)
-    if n < 4:
-        raise ValueError(f"EAGLE-3 default aux layer ids need at least 4 target layers, got {n}")
-    return [2, n // 2, n - 3]
+    ids = [2, n // 2, n - 3]
+    if not ids[0] < ids[1] < ids[2]:
+        raise ValueError(
+            f"the default EAGLE-3 aux layer ids [2, n//2, n-3] of a {n}-layer target are {ids}, not three ascending "
+            "layers (they need at least 7); set extraction.aux_layer_ids to three ascending ids in [0, n]"
+        )
+    return ids
 
 
 def resolve_layer_ids(aux_layer_ids: Sequence[int] | None, num_hidden_layers: int) -> tuple[list[int], list[int]]:

