@@ -144,14 +144,15 @@ def build_llm(
         overrides: further ``LLM`` keyword arguments.
 
     Raises:
-        InputError: a drafter (``speculative_config``) beside a target this platform's vLLM cannot
+        InputError: an EAGLE-3 drafter (``speculative_config``) beside a target this platform's vLLM cannot
             draft for (:func:`eagle3_platform_limit`), before the engine starts.
     """
     if vllm_cfg.get("cpu_kvcache_space_gib"):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(vllm_cfg["cpu_kvcache_space_gib"]))
     if on_cpu():
         clear_thread_env()
-    if speculative_config is not None and (why := eagle3_platform_limit(model, trust_remote_code)) is not None:
+    drafting = (speculative_config or {}).get("method") == "eagle3"  # not extraction's extract_hidden_states
+    if drafting and (why := eagle3_platform_limit(model, trust_remote_code)) is not None:
         from .io import InputError
 
         raise InputError(why)
