@@ -490,3 +490,32 @@ def test_reference_figures_are_data_with_a_source_and_command_each():
     assert [r["params"] for r in refs["cuda"]] == [8_030_261_248, 134_515_008]
     assert refs["cuda"][1]["extract_hidden_states"] == {"tokens_per_second": 216358.0, "load_seconds": 63.0}
     assert refs["cuda"][0]["extract_hidden_states_hf"]["tokens_per_second"] == 10644.0
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "deepseek_v3"])
+def test_parameter_counts_of_other_families_equal_the_instantiated_model(family):
+    """Every weight, against transformers' own model built on the meta device; the active count
+    leaves out, in each sparse layer, the experts a token does not use."""
+    import torch
+    import transformers
+
+    small = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4, vocab_size=1000)
+    cfg = {
+        "qwen3": lambda: transformers.Qwen3Config(num_key_value_heads=2, head_dim=64, **small),
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+            num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+            mlp_only_layers=[0], decoder_sparse_step=1, **small,
+        ),
+        "deepseek_v3": lambda: transformers.DeepseekV3Config(
+            num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=128,
+            first_k_dense_replace=2, q_lora_rank=96, kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=64,
+            v_head_dim=64, n_group=1, topk_group=1, topk_method="noaux_tc", **small,
+        ),
+    }[family]()  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    total = sum(p.numel() for p in model.parameters()) + sum(b.numel() for n, b in model.named_buffers() if "e_score_correction_bias" in n)
+    assert estimate_params(cfg) == total
+    sparse = {"qwen3": 0, "qwen3_moe": 5, "deepseek_v3": 4}[family]  # layers with experts
+    unused = sparse * (8 - 2) * 3 * 256 * 128
+    assert estimate_params(cfg, active=True) == total - unused

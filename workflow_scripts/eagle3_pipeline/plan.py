@@ -185,8 +185,11 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
 
     Args:
         cfg: the validated config.
-        target: ``{"params", "num_hidden_layers", "hidden_size"}`` of the target (from its
-            config; ``params`` may be estimated by :func:`estimate_params`).
+        target: ``{"params", "num_hidden_layers", "hidden_size"}`` of the target, and
+            optionally ``"total_params"``: ``params`` are those one token runs through (the
+            active ones of a mixture of experts), which set the full-model stages' speed;
+            ``total_params`` every weight, which sets loading time (default ``params``); both
+            as :func:`estimate_params` counts them.
         run_dir: ``results/<run>`` (measured throughputs and this run's token counts are read
             there; which stages are pending, :func:`plan_run` decides from Snakemake's jobs).
         platform: which reference figures apply (:data:`REFERENCES`): ``"cuda"``, ``"cpu"`` (a
@@ -233,7 +236,8 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
     cpu = platform.startswith("cpu")
     scale = ratio if cpu or ratio < 1 else ratio**0.5
     train_scale = (ref["hidden_size"] / target["hidden_size"]) ** 2
-    load_scale = max(1.0, 1 / ratio)  # loading reads the weights: ~ parameters
+    # loading reads every weight, experts a token does not use included
+    load_scale = max(1.0, target.get("total_params", target["params"]) / ref["params"])
     replicas = {
         "generate_traces": cfg["vllm"]["data_parallel_size"],
         "extract_hidden_states": cfg["extraction"].get("data_parallel_size") or cfg["vllm"]["data_parallel_size"],
@@ -330,21 +334,60 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
     return plan
 
 
-def estimate_params(text_config) -> int:
-    """Parameter count of a dense decoder from its config (embeddings, attention, MLP, norms, head).
+def estimate_params(text_config, active: bool = False) -> int:
+    """Parameter count of a decoder from its config: embeddings, attention, MLP, norms, head.
 
-    Formula: ``L (2 h^2 + 2 h kv + 3 h i + 2 h) + V h (x2 unless tied) + h`` with ``kv`` =
-    key/value heads x head dim (Llama-style gated MLP); an estimate for other shapes.
+    Attention is grouped-query (``2 h·heads·d + 2 h·kv`` with ``kv`` = key/value heads × head
+    dim) or DeepSeek's multi-head latent attention where the config has ``kv_lora_rank`` (the
+    query's and the key/value's low-rank projections, their norms, the output projection).
+    The MLP is gated (``3 h i``), or a mixture of experts where the config names its experts
+    (``num_experts`` (Qwen-MoE), ``n_routed_experts`` (DeepSeek), ``num_local_experts``
+    (Mixtral, gpt-oss)): a router, ``E`` experts of ``3 h i_e`` (``moe_intermediate_size``, else
+    ``intermediate_size``) and DeepSeek's shared experts, with DeepSeek's first
+    ``first_k_dense_replace`` layers and Qwen's ``mlp_only_layers`` dense.
+
+    Args:
+        text_config: the target's (text) config.
+        active: count only what one token runs through: ``num_experts_per_tok`` of the ``E``
+            experts (compute per token, which sets the full-model stages' speed); else every
+            weight (what loading reads).
+
+    Returns:
+        the count; exact for Llama, Qwen3, Qwen3-MoE and DeepSeek-V3 configs (tests), an
+        estimate for other shapes (biases, extra norms are left out).
     """
-    h = text_config.hidden_size
-    L = text_config.num_hidden_layers
-    i = getattr(text_config, "intermediate_size", 4 * h)
-    heads = text_config.num_attention_heads
-    head_dim = getattr(text_config, "head_dim", None) or h // heads
-    kv = (getattr(text_config, "num_key_value_heads", None) or heads) * head_dim
-    v = text_config.vocab_size
-    tied = getattr(text_config, "tie_word_embeddings", False)
-    return L * (2 * h * heads * head_dim + 2 * h * kv + 3 * h * i + 2 * h) + v * h * (1 if tied else 2) + h
+    c = text_config
+    h, L, v = c.hidden_size, c.num_hidden_layers, c.vocab_size
+    heads = c.num_attention_heads
+    norms = 2 * h  # input and post-attention RMSNorm
+    if getattr(c, "kv_lora_rank", None):
+        qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+        q_rank = getattr(c, "q_lora_rank", None)
+        q = (h * q_rank + q_rank + q_rank * heads * qk) if q_rank else h * heads * qk
+        kv = h * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank + c.kv_lora_rank * heads * (c.qk_nope_head_dim + c.v_head_dim)
+        attn = q + kv + heads * c.v_head_dim * h
+    else:
+        head_dim = getattr(c, "head_dim", None) or h // heads
+        kv_dim = (getattr(c, "num_key_value_heads", None) or heads) * head_dim
+        attn = 2 * h * heads * head_dim + 2 * h * kv_dim
+        if getattr(c, "model_type", "").startswith("qwen3"):
+            attn += 2 * head_dim  # q_norm, k_norm
+    dense_mlp = 3 * h * getattr(c, "intermediate_size", 4 * h)
+    experts = next((getattr(c, k) for k in ("num_experts", "n_routed_experts", "num_local_experts") if getattr(c, k, None)), 0)
+    if experts:
+        i_e = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
+        used = c.num_experts_per_tok if active else experts
+        moe_mlp = h * experts + used * 3 * h * i_e + (getattr(c, "n_shared_experts", None) or 0) * 3 * h * i_e
+        if getattr(c, "topk_method", None) == "noaux_tc":
+            moe_mlp += experts  # the router's score-correction bias
+        step = getattr(c, "decoder_sparse_step", 1) or 1
+        dense = set(getattr(c, "mlp_only_layers", None) or []) | set(range(getattr(c, "first_k_dense_replace", 0) or 0))
+        sparse = [j for j in range(L) if j not in dense and (j + 1) % step == 0]
+        mlp = len(sparse) * moe_mlp + (L - len(sparse)) * dense_mlp
+    else:
+        mlp = L * dense_mlp
+    tied = getattr(c, "tie_word_embeddings", False)
+    return L * (attn + norms) + mlp + v * h * (1 if tied else 2) + h
 
 
 def format_plan(plan: list[StageEstimate], jobs: list[dict] | None = None) -> str:
@@ -426,7 +469,12 @@ def plan_run(
         from .target_model import text_config
 
         tc = text_config(target_dir, cfg["target"]["trust_remote_code"])
-        target = {"params": estimate_params(tc), "num_hidden_layers": tc.num_hidden_layers, "hidden_size": tc.hidden_size}
+        target = {
+            "params": estimate_params(tc, active=True),  # compute per token
+            "total_params": estimate_params(tc),  # what loading reads
+            "num_hidden_layers": tc.num_hidden_layers,
+            "hidden_size": tc.hidden_size,
+        }
     else:
         target = BUILTIN_SHAPE
     stages = make_plan(cfg, target, run_dir, platform)
