@@ -48,6 +48,19 @@ def test_targets_tokenize_as_their_tokenizer_json_says(name):
     assert tok.decode(ids) == text
 
 
+def test_qwen3s_thinking_switch_reaches_its_template():
+    """``generation.chat_template_kwargs: {enable_thinking: false}`` renders Qwen3's real template with
+    an empty reasoning block, so answers are supervised without reasoning; on (its default) the
+    assistant turn is left open for the model's own ``<think>``."""
+    from eagle3_pipeline.generation import render_prompt_ids
+
+    tok = _tokenizer("qwen3")
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    on, off = (tok.decode(render_prompt_ids(tok, msgs, {"enable_thinking": flag})) for flag in (True, False))
+    assert on.endswith("Name a colour.<|im_end|>\n<|im_start|>assistant\n")
+    assert off == on + "<think>\n\n</think>\n\n"
+
+
 def stand_in(family: str, dest: Path) -> Path:
     """A small target of ``family`` with random bf16 weights (seed 0) and the family's real tokenizer,
     chat template, end-of-turn tokens and vocabulary size: the shapes that matter to the pipeline,
