@@ -33,7 +33,7 @@ def _tokenizer(name: str):
     return load_tokenizer(path)
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3", "llama3"])
 def test_targets_tokenize_as_their_tokenizer_json_says(name):
     """DeepSeek-V3's config names LlamaTokenizerFast over a byte-level BPE; transformers 5 then drops
     every space (transformers#45488). The pipeline's tokenizer gives the ids of the tokenizers library
