@@ -41,8 +41,12 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
+
+if TYPE_CHECKING:
+    import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "workflow_scripts"))
@@ -97,6 +101,31 @@ def eval_prompt_ids(cfg: dict, run: Path, target: str) -> list[dict]:
     tok = load_tokenizer(target, cfg["target"]["trust_remote_code"])
     ids = evaluation.eval_prompt_ids(tok, questions, cfg["generation"]["chat_template_kwargs"])
     return [{"id": q["id"], "prompt_token_ids": p} for q, p in zip(questions, ids, strict=True)]
+
+
+def one_document_batch(h: torch.Tensor, seq: list[int], block: int = 128) -> dict:
+    """The drafter's training inputs for one sequence, as train_drafter's packs hold them.
+
+    Row ``t`` of ``h`` (``[T, A·H]``, the aux states of token ``t``) is paired with token
+    ``seq[t + 1]`` at position ``t + 1`` (the drafter predicts from the state before it). The
+    batch is padded past the end, as speculators' collate pads a pack (document id -1), to a
+    multiple of ``block`` tokens: flex attention's block mask covers whole 128-token blocks and
+    rejects a shorter query ("block_mask was created for ... but got q_len=116").
+
+    Returns:
+        ``{"hidden_states" [1, P, A·H], "input_ids", "document_ids", "position_ids" int64 [1, P]}``
+        with ``P = ceil((T - 1) / block) · block``, on the CPU.
+    """
+    import torch
+
+    n = len(seq) - 1
+    pad = -(-n // block) * block - n
+    return {
+        "hidden_states": torch.cat([h[:-1], h.new_zeros(pad, h.shape[1])]).unsqueeze(0),
+        "input_ids": torch.tensor(list(seq[1:]) + [0] * pad).unsqueeze(0),
+        "document_ids": torch.tensor([0] * n + [-1] * pad).unsqueeze(0),
+        "position_ids": torch.tensor(list(range(1, n + 1)) + [0] * pad).unsqueeze(0),
+    }
 
 
 # --- one vLLM engine, in a process of its own ---------------------------------------------------
@@ -263,16 +292,8 @@ def tensors_job(job: dict) -> dict:
     hook = drafter.lm_head.register_forward_hook(lambda _m, _i, o: step_logits.append(o.detach().float().cpu()[0]))
     hs_dtype, autocast = training_dtypes(job["training"], device)
     h = states[:, : len(aux)].reshape(len(seq), -1)
-    # one document padded as training's packs are (speculators' collate: document id -1 past the
-    # end) to a multiple of flex attention's 128-token blocks, whose mask covers whole blocks
-    n, padded = len(seq) - 1, -(-(len(seq) - 1) // 128) * 128
-    pad = padded - n
-    batch = {
-        "hidden_states": torch.cat([h[:-1], h.new_zeros(pad, h.shape[1])]).unsqueeze(0).to(device, hs_dtype),
-        "input_ids": torch.tensor(seq[1:] + [0] * pad, device=device).unsqueeze(0),
-        "document_ids": torch.tensor([0] * n + [-1] * pad, device=device).unsqueeze(0),
-        "position_ids": torch.tensor(list(range(1, len(seq))) + [0] * pad, device=device).unsqueeze(0),
-    }
+    batch = {k: v.to(device) for k, v in one_document_batch(h, seq).items()}
+    batch["hidden_states"] = batch["hidden_states"].to(hs_dtype)
     with torch.no_grad(), torch.autocast(device.split(":")[0], dtype=autocast, enabled=autocast is not None):
         drafter(**batch, ttt_steps=k)
     hook.remove()
