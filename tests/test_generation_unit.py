@@ -347,6 +347,10 @@ def test_a_target_vllm_cannot_draft_for_with_eagle3_is_refused_naming_its_archit
     cfg.save_pretrained(tmp_path / "unknown")
     with pytest.raises(InputError, match=r"has no model class for NoSuchModelForCausalLM"):
         check_eagle3_target(str(tmp_path / "unknown"))
+    (tmp_path / "foo").mkdir()
+    (tmp_path / "foo" / "config.json").write_text('{"architectures": ["FooForCausalLM"], "model_type": "foo"}')
+    with pytest.raises(InputError, match=r"cannot load the config of \['FooForCausalLM'\] \(model_type 'foo'\).*trust_remote_code"):
+        check_eagle3_target(str(tmp_path / "foo"))
 
 
 def test_answer_ids_and_their_prompt():

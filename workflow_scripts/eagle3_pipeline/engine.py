@@ -6,9 +6,11 @@ engine under ``if __name__ == "__main__":`` (rule scripts do).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from .precision import resolve_dtype
@@ -53,8 +55,9 @@ def check_eagle3_target(target_path: str, trust_remote_code: bool = False) -> st
         the architecture checked (the first of the target's ``architectures``).
 
     Raises:
-        InputError: vLLM does not know the architecture, or its class has no EAGLE-3 support;
-            the message names the architecture, the vLLM version and what to do.
+        InputError: transformers cannot read the target's config (an unknown model type, or
+            model code not trusted), vLLM does not know the architecture, or its class has no
+            EAGLE-3 support; the message names the architecture, the version and what to do.
     """
     import vllm
     from transformers import AutoConfig
@@ -63,7 +66,20 @@ def check_eagle3_target(target_path: str, trust_remote_code: bool = False) -> st
 
     from .io import InputError
 
-    archs = AutoConfig.from_pretrained(target_path, trust_remote_code=trust_remote_code).architectures or []
+    try:
+        archs = AutoConfig.from_pretrained(target_path, trust_remote_code=trust_remote_code).architectures or []
+    except ValueError as e:  # a model type this transformers does not know, or code it may not run
+        import transformers
+
+        try:
+            declared = json.loads((Path(target_path) / "config.json").read_text())
+        except (OSError, ValueError):
+            declared = {}
+        raise InputError(
+            f"{target_path}: transformers {transformers.__version__} cannot load the config of {declared.get('architectures')} "
+            f"(model_type {declared.get('model_type')!r}): {str(e).splitlines()[0]} Set target.trust_remote_code: true if the "
+            "checkpoint ships its own model code, or use a transformers version that knows this model type"
+        ) from None
     if not archs:
         raise InputError(f"{target_path}/config.json names no architectures; vLLM cannot pick a model class for it")
     registered = ModelRegistry.models.get(archs[0])
