@@ -104,15 +104,14 @@ def eagle3_platform_limit(target_path: str, trust_remote_code: bool = False) -> 
     multiples of 32, and refuses the engine ("No common block size for 16 (CPU_MLA: [16];
     CPU_ATTN: [MultipleOf(32)])"). GPUs are not affected.
     """
-    from transformers import AutoConfig
+    from .target_model import text_config
 
-    cfg = AutoConfig.from_pretrained(target_path, trust_remote_code=trust_remote_code)
-    text = getattr(cfg, "text_config", None) or cfg
+    text = text_config(target_path, trust_remote_code)
     if on_cpu() and getattr(text, "kv_lora_rank", None):
         import vllm
 
         return (
-            f"{target_path}: vLLM {vllm.__version__} on CPU cannot run an EAGLE-3 drafter beside {(cfg.architectures or ['?'])[0]}'s "
+            f"{target_path}: vLLM {vllm.__version__} on CPU cannot run an EAGLE-3 drafter beside {(text.architectures or ['this target'])[0]}'s "
             "MLA attention (its CPU MLA cache blocks of 16 tokens have no common size with the drafter's attention, multiples "
             "of 32); evaluate and serve on a GPU, or ask this machine for the drafter alone: snakemake results/<run>/drafter"
         )
