@@ -12,6 +12,8 @@ DEADLINE=${DEADLINE:-1800}
 OUT=${OUT:-benchmarks/results}
 PROMPTS=${PROMPTS:-100}
 REFERENCE=${REFERENCE:-1}
+ROWS=${ROWS:-vllm/default offline/same-tokens/eval offline/validation-short tensors vllm/runner-v1 vllm/runner-v2 \
+vllm/prefix-cache vllm/k1 offline/validation vllm/eager vllm/batch-invariant offline/same-tokens vllm/one-at-a-time}
 KEEP=$((REFERENCE == 1 ? 200 : 15))  # seconds the rows leave for the reference drafter's rows
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 C="config/examples/smollm2-h200.yaml config/examples/smollm2-h200-gap.yaml"
@@ -26,9 +28,7 @@ date -u +"reference trainer and gap rows %T ($SECONDS s)"
 REF=$!
 [ "$REFERENCE" = 1 ] && sleep 60  # the trainer takes its memory before the first engine profiles the GPU's
 .venv/bin/python benchmarks/drafter_gap.py --configfile $C --config "$HALF" --prompts "$PROMPTS" \
-  --deadline $((DEADLINE - SECONDS - KEEP)) --out "$OUT/drafter_gap_h200.json" --rows vllm/default \
-  offline/same-tokens/eval offline/validation-short tensors vllm/runner-v1 vllm/runner-v2 vllm/prefix-cache vllm/k1 \
-  offline/validation vllm/eager vllm/batch-invariant offline/same-tokens vllm/one-at-a-time
+  --deadline $((DEADLINE - SECONDS - KEEP)) --out "$OUT/drafter_gap_h200.json" --rows $ROWS
 date -u +"gap rows done %T ($SECONDS s)"
 [ "$REFERENCE" = 1 ] || { date -u +"end %T ($SECONDS s)"; exit 0; }
 wait $REF
