@@ -203,6 +203,36 @@ def run_subprocess(kind: str, job: dict, env: dict, work: Path, log, timeout: fl
 # --- tensors: what vLLM's drafter sees and computes for one request -----------------------------
 
 
+def genuine_rows(ids: list[int], pos: list[int], seq: list[int], next_start: int | None) -> list[int]:
+    """The rows of one drafter call that hold tokens of the request's final sequence.
+
+    A propose call's rows hold the positions the target just verified: row ``r`` feeds the
+    token after ``pos[r]`` (vLLM shifts the ids by one). Genuine rows run consecutively from
+    row 0 (``pos[r] == pos[0] + r``) and end at the last accepted token, the position before
+    the next call's first row. Rows past it hold rejected drafts, and vLLM 0.26 fills the rest
+    of a decode call's rows with stale positions and ids (a 4-row call read ``[53, 1, 2, 3]``
+    on an H200, ids copied from the prompt's start), whose ids can equal the true tokens at
+    those positions: neither counts.
+
+    Args:
+        ids: int token ids of the call's rows (the step-0 forward's ``input_ids``).
+        pos: int positions of the same rows.
+        seq: the request's prompt + answer token ids.
+        next_start: the first position of the next call that drafted (``None`` for the last).
+
+    Returns:
+        indices of the genuine rows, ``[0, ..., m - 1]`` (empty when row 0 is not one).
+    """
+    out: list[int] = []
+    for r, (i, p) in enumerate(zip(ids, pos, strict=True)):
+        if p != pos[0] + r or not 0 <= p < len(seq) - 1 or i != seq[p + 1]:
+            break
+        if next_start is not None and p > next_start - 1:
+            break
+        out.append(r)
+    return out
+
+
 def tensors_job(job: dict) -> dict:
     """One request through an in-process eager engine whose EAGLE-3 drafter records its inputs and logits,
     compared with the ``hf`` backend's states and speculators' forward on the same tokens."""
@@ -325,16 +355,8 @@ def tensors_job(job: dict) -> dict:
         step0 = call["steps"][0]
         ids, pos = step0["ids"], step0["pos"]
         n = min(len(ids), len(pos), call["states"].shape[0])
-        # Rows hold the positions the target just verified; row r feeds the token after pos[r]
-        # (vLLM shifts the ids by one), and rows past the last accepted token hold rejected
-        # drafts (whose ids may still equal the true tokens by chance). The last accepted
-        # position is the one before the next call's first row (the target's own token).
-        last = next((x for x in starts[ci + 1 :] if x is not None), None)
-        genuine = []
-        for r in range(n):
-            if not (0 <= pos[r] < len(seq) - 1 and int(ids[r]) == seq[pos[r] + 1]) or (last is not None and pos[r] > last - 1):
-                break
-            genuine.append(r)
+        next_start = next((x for x in starts[ci + 1 :] if x is not None), None)
+        genuine = genuine_rows(ids[:n].tolist(), pos[:n].tolist(), seq, next_start)
         for r in genuine:
             a, b = call["states"][r], h[pos[r]]
             aux_rows += 1

@@ -48,3 +48,20 @@ def test_one_document_padded_to_flex_blocks_drafts_as_the_bare_sequence(target_d
         with pytest.raises(ValueError, match="block_mask was created for"):
             logits(attn, bare)
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+
+
+def test_genuine_rows_stop_at_stale_padding_and_rejected_drafts():
+    from drafter_gap import genuine_rows
+
+    seq = [9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511]
+    # prefill: rows 0..7 feed seq[1..8]; the next call starts at position 8
+    assert genuine_rows(seq[1:9], list(range(8)), seq, 8) == list(range(8))
+    # a decode call as vLLM 0.26 makes it on an H200: row 0 real, rows 1-3 stale copies of the
+    # prompt's start whose ids equal the true tokens there (the measurement counted them)
+    assert genuine_rows([seq[5], seq[2], seq[3], seq[4]], [4, 1, 2, 3], seq, 5) == [0]
+    # two accepted drafts, then a rejected one whose id happens to be right
+    assert genuine_rows([seq[5], seq[6], seq[7], seq[8]], [4, 5, 6, 7], seq, 7) == [0, 1, 2]
+    # the last call (no next one): consecutive rows while the ids match
+    assert genuine_rows([seq[8], seq[9]], [7, 8], seq, None) == [0, 1]
+    assert genuine_rows([seq[8], 0], [7, 8], seq, None) == [0]
+    assert genuine_rows([0, seq[9]], [7, 8], seq, None) == []
