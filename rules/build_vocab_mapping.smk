@@ -1,6 +1,6 @@
 rule build_vocab_mapping:
     input:
-        traces=get_trace_shards,
+        traces=TRACE_SHARDS,
         target=get_target_dir(),
     output:
         d2t=layout.vocab("d2t"),

@@ -22,9 +22,9 @@ rule evaluate_drafter:
     params:
         trust_remote_code=config["target"]["trust_remote_code"],
         evaluation=config["evaluation"],
-        num_speculative_tokens=get_num_speculative_tokens(),
+        num_speculative_tokens=settings.num_speculative_tokens(config),
         generation=GENERATION_PARAMS,
-        vllm=eval_vllm_params(),
+        vllm=settings.evaluation_vllm(config, VLLM_PARAMS),
         seed=config["seed"],
         max_seq_len=config["max_seq_len"],
     script:

@@ -1,7 +1,7 @@
 # The run's figures for `snakemake --report report.html` (captions in report/).
 rule plot_run:
     input:
-        traces=get_trace_shards,
+        traces=TRACE_SHARDS,
         token_freq=layout.vocab("token_freq"),
         coverage=layout.coverage(),
         metrics=layout.train_metrics(),

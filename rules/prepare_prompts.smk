@@ -9,7 +9,10 @@ rule prepare_prompts:
         "../envs/cpu.yaml"
     params:
         prompts=config["prompts"],
-        sources_digest=get_prompt_sources_digest(),
+        sources_digest=get_sources_digest(
+            "prompts.sources",
+            config["prompts"]["sources"] + [config["evaluation"]["prompts"]],
+        ),
         eval_prompts=config["evaluation"]["prompts"],
     script:
         "../workflow_scripts/prepare_prompts.py"
@@ -24,7 +27,9 @@ rule prepare_eval_prompts:
         "../envs/cpu.yaml"
     params:
         source=config["evaluation"]["prompts"],
-        source_digest=get_eval_sources_digest(),
+        source_digest=get_sources_digest(
+            "evaluation.prompts", [config["evaluation"]["prompts"]]
+        ),
         max_prompts=config["evaluation"]["max_prompts"],
     script:
         "../workflow_scripts/prepare_eval_prompts.py"

@@ -1,9 +1,9 @@
 rule summarize_run:
     input:
         prompts=layout.prompt_summary(),
-        traces=get_trace_summaries,
+        traces=TRACE_SUMMARIES,
         coverage=layout.coverage(),
-        hidden_indexes=get_hidden_state_indexes,
+        hidden_indexes=HIDDEN_STATE_INDEXES,
         train=layout.train_summary(),
         acceptance=layout.acceptance(),
     output:

@@ -3,6 +3,8 @@
 # under results/<run>/sweep/<variant>/. Library: workflow_scripts/eagle3_pipeline/sweep.py.
 # Each variant's files: the run's layout rooted at sweep/<variant>/ (layout.variant).
 VARIANT = layout.variant("{variant}")
+# The sweep table's drafters, the run's own first (eagle3_pipeline.sweep.sweep_rows).
+SWEEP_ROWS = sweep.sweep_rows(config, VARIANTS, layout)
 
 
 use rule build_vocab_mapping as build_vocab_mapping_variant with:
@@ -23,7 +25,7 @@ use rule build_vocab_mapping as build_vocab_mapping_variant with:
 use rule train_drafter as train_drafter_variant with:
     input:
         unpack(get_variant_vocab),
-        shards=get_hidden_state_shards,
+        shards=HIDDEN_STATE_SHARDS,
         target=get_target_dir(),
     output:
         drafter=directory(VARIANT.drafter()),
@@ -36,7 +38,7 @@ use rule train_drafter as train_drafter_variant with:
     priority: VARIANT_TRAIN_PRIORITY
     params:
         trust_remote_code=config["target"]["trust_remote_code"],
-        training=lambda w: training_params(VARIANTS[w.variant]),
+        training=lambda w: settings.result_settings(VARIANTS[w.variant], "training"),
         init_identity=lambda w: get_init_drafter_identity(VARIANTS[w.variant]),
         train_processes=TRAIN_PROCESSES,
         seed=config["seed"],
@@ -60,9 +62,11 @@ use rule evaluate_drafter as evaluate_drafter_variant with:
     params:
         trust_remote_code=config["target"]["trust_remote_code"],
         evaluation=lambda w: VARIANTS[w.variant]["evaluation"],
-        num_speculative_tokens=lambda w: get_num_speculative_tokens(VARIANTS[w.variant]),
+        num_speculative_tokens=lambda w: settings.num_speculative_tokens(
+            VARIANTS[w.variant]
+        ),
         generation=GENERATION_PARAMS,
-        vllm=lambda w: eval_vllm_params(VARIANTS[w.variant]),
+        vllm=lambda w: settings.evaluation_vllm(VARIANTS[w.variant], VLLM_PARAMS),
         seed=config["seed"],
         max_seq_len=config["max_seq_len"],
 
@@ -70,9 +74,9 @@ use rule evaluate_drafter as evaluate_drafter_variant with:
 # One table of tau and training cost: the run's drafter and every variant's.
 rule sweep_table:
     input:
-        acceptance=[r["acceptance"] for r in get_sweep_rows()],
-        train_summary=[r["train_summary"] for r in get_sweep_rows()],
-        coverage=[r["coverage"] for r in get_sweep_rows()],
+        acceptance=[r["acceptance"] for r in SWEEP_ROWS],
+        train_summary=[r["train_summary"] for r in SWEEP_ROWS],
+        coverage=[r["coverage"] for r in SWEEP_ROWS],
     output:
         json=layout.sweep_json(),
         table=layout.sweep_table(),
@@ -81,8 +85,6 @@ rule sweep_table:
     conda:
         "../envs/cpu.yaml"
     params:
-        rows=[
-            {k: r[k] for k in ("name", "changes", "shared")} for r in get_sweep_rows()
-        ],
+        rows=[{k: r[k] for k in ("name", "changes", "shared")} for r in SWEEP_ROWS],
     script:
         "../workflow_scripts/sweep_table.py"

@@ -1,6 +1,6 @@
 rule train_drafter:
     input:
-        shards=get_hidden_state_shards,
+        shards=HIDDEN_STATE_SHARDS,
         d2t=layout.vocab("d2t"),
         t2d=layout.vocab("t2d"),
         target=get_target_dir(),

@@ -4,8 +4,8 @@ rule verify:
     conda:
         "../envs/cpu.yaml"
     params:
-        traces=[layout.traces(s) for s in SHARDS],
-        hidden_states=[layout.hidden_states(s) for s in SHARDS],
+        traces=TRACE_SHARDS,
+        hidden_states=HIDDEN_STATE_SHARDS,
         manifest=layout.manifest(),
     script:
         "../workflow_scripts/verify.py"

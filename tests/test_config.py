@@ -164,3 +164,72 @@ def test_job_settings_give_each_stage_its_gpus_and_result_params():
     assert "engine" not in hf["extraction_params"] and "batch_tokens" in hf["extraction_params"]
     with pytest.raises(ConfigError, match="extraction.gpus_per_replica=2 but the vllm backend's replica is one engine"):
         job_settings(validate_config({"extraction": {"backend": "vllm", "gpus_per_replica": 2}}))
+
+
+def test_the_run_and_every_variant_are_checked_against_the_target():
+    from eagle3_pipeline.config import check_run_against_target
+
+    run = validate_config({})
+    big = validate_config({"vocab": {"draft_vocab_size": 60000}})
+    check_run_against_target(run, {"ok": run}, 30, 49152)
+    with pytest.raises(
+        ConfigError, match=r"^sweep\.variants\.big: invalid configuration for this target:\n  vocab\.draft_vocab_size: 60000"
+    ):
+        check_run_against_target(run, {"ok": run, "big": big}, 30, 49152)
+    with pytest.raises(ConfigError, match=r"^invalid configuration for this target"):  # the run's own first
+        check_run_against_target(big, {"big": big}, 30, 49152)
+
+
+def test_evaluation_k_and_engine_settings():
+    from eagle3_pipeline.config import evaluation_vllm, num_speculative_tokens
+
+    cfg = validate_config({"training": {"ttt_steps": 4}})
+    assert num_speculative_tokens(cfg) == 4  # the drafter's TTT steps when not set
+    assert num_speculative_tokens(validate_config({"training": {"ttt_steps": 4}, "evaluation": {"num_speculative_tokens": 2}})) == 2
+    vllm = {"enforce_eager": False, "tensor_parallel_size": 2}
+    assert evaluation_vllm(cfg, vllm) == vllm
+    eager = evaluation_vllm(validate_config({"evaluation": {"enforce_eager": True}}), vllm)
+    assert eager == {"enforce_eager": True, "tensor_parallel_size": 2} and vllm["enforce_eager"] is False  # a copy
+
+
+def test_library_errors_reach_snakemake_as_workflow_errors():
+    from snakemake.exceptions import WorkflowError
+
+    from eagle3_pipeline.io import InputError
+    from eagle3_pipeline.snakemake_adapter import workflow_errors
+
+    with pytest.raises(WorkflowError, match=r"^target\.path: no such directory$"), workflow_errors("target.path"):
+        raise InputError("no such directory")
+    with pytest.raises(WorkflowError, match=r"^run: not a folder name$"), workflow_errors():
+        raise ConfigError("run: not a folder name")
+    with pytest.raises(KeyError), workflow_errors():  # a bug stays a traceback
+        raise KeyError("x")
+    with workflow_errors():
+        pass
+
+
+def test_the_configured_target_directory_identity_and_shape(tmp_path):
+    from eagle3_pipeline.io import InputError
+    from eagle3_pipeline.layout import BUILTIN_TARGET_DIR
+    from eagle3_pipeline.target_model import (
+        BUILTIN_SHAPE,
+        BUILTIN_TARGET,
+        configured_target_dir,
+        configured_target_identity,
+        configured_target_shape,
+        init_drafter_identity,
+        quick_identity,
+    )
+
+    assert configured_target_dir(BUILTIN_TARGET) == BUILTIN_TARGET_DIR
+    assert configured_target_identity(BUILTIN_TARGET) == BUILTIN_TARGET  # not materialized yet at DAG time
+    assert configured_target_shape(BUILTIN_TARGET) == BUILTIN_SHAPE == (30, 49152)
+    with pytest.raises(InputError):
+        configured_target_dir(str(tmp_path / "missing"))
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    assert init_drafter_identity(None) is None
+    with pytest.raises(InputError, match=r"is not a drafter directory \(no config\.json\)"):
+        init_drafter_identity(str(drafter))
+    (drafter / "config.json").write_text("{}")
+    assert init_drafter_identity(str(drafter)) == quick_identity(drafter)

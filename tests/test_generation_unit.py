@@ -1,5 +1,6 @@
 """Prompt rendering, reasoning split, spec-decode counter parsing and decoding throughput (no engine needed)."""
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -390,3 +391,68 @@ def test_the_family_table_of_eagle3_support(tmp_path, model_type, architecture, 
     else:
         with pytest.raises(InputError, match=rf"{architecture} has no EAGLE-3 support"):
             check_eagle3_target(str(tmp_path))
+
+
+@pytest.mark.parametrize("concurrency", [[1, 2], []])
+def test_the_evaluation_job_runs_the_drafters_engine_then_the_targets_alone(tmp_path, monkeypatch, concurrency):
+    """run_evaluation's lifecycle with the engines faked: stale engines ended and the GPUs checked under the
+    lock, each engine recorded in the run's .pids while it runs, the target's own engine only for a speedup."""
+    import json
+
+    from eagle3_pipeline import engine, evaluation, hygiene, target_model
+    from eagle3_pipeline.config import validate_config
+    from eagle3_pipeline.io import record_files
+    from eagle3_pipeline.layout import RunLayout
+
+    monkeypatch.setenv("EAGLE3_LOCK_DIR", str(tmp_path / "locks"))
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text("{}")
+    record_files(drafter)
+    questions = [{"id": f"q{i}", "turns": [f"question {i}?"]} for i in range(3)]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
+    (tmp_path / "train.json").write_text(json.dumps({"final_val": {"loss": 1.25}}))
+    layout = RunLayout.at(tmp_path / "results" / "r")
+    record = Path(layout.pids()) / "evaluate_drafter-v1.json"  # a variant's engines are the run's records
+    events = []
+
+    def build_llm(model, vllm_cfg, *, seed, max_model_len, trust_remote_code, speculative_config=None):
+        events.append(("build", None if speculative_config is None else speculative_config["num_speculative_tokens"]))
+        return SimpleNamespace(llm_engine=_FakeEngine(length=4))
+
+    def run_eval(llm, qs, prompts, eval_cfg, max_seq_len):
+        events.append(("eval", record.exists()))
+        rows = [{"id": q["id"], "num_output_tokens": 4} for q in qs[:2]]
+        return {"acceptance_length": 1.5, "num_drafts": 10}, rows, [{"id": qs[2]["id"], "reason": "prompt_too_long"}]
+
+    monkeypatch.setattr(engine, "build_llm", build_llm)
+    monkeypatch.setattr(engine, "shutdown_llm", lambda llm: events.append(("shutdown", record.exists())))
+    monkeypatch.setattr(engine, "engine_identity", lambda: {"name": "vllm", "version": "test", "platform": "cpu"})
+    monkeypatch.setattr(target_model, "load_tokenizer", lambda path, trust: None)
+    monkeypatch.setattr(evaluation, "eval_prompt_ids", lambda tok, qs, kwargs: [[5] * 8 for _ in qs])
+    monkeypatch.setattr(evaluation, "run_eval", run_eval)
+    monkeypatch.setattr(hygiene, "cleanup_stale_processes", lambda pid_dir: events.append(("cleanup", Path(pid_dir))))
+    monkeypatch.setattr(hygiene, "check_gpus_free", lambda: events.append(("gpus",)))
+    cfg = validate_config({"evaluation": {"speedup": {"concurrency": concurrency}}})
+    params = {
+        "evaluation": cfg["evaluation"],
+        "num_speculative_tokens": 3,
+        "generation": cfg["generation"],
+        "vllm": cfg["vllm"],
+        "seed": 0,
+        "max_seq_len": 512,
+        "trust_remote_code": False,
+    }
+    out = {k: str(tmp_path / "eval" / f"{k}.json") for k in ("acceptance", "outputs", "rejects")}
+    report = evaluation.run_evaluation(
+        str(drafter), str(tmp_path / "prompts.jsonl"), "target", str(tmp_path / "train.json"), out, params, layout=layout, variant="v1"
+    )
+    engines = [("build", 3), ("eval", True), ("shutdown", True)] + ([("build", None), ("shutdown", True)] if concurrency else [])
+    assert events == [("cleanup", Path(layout.pids())), ("gpus",), *engines]
+    assert not record.exists()  # cleared after each engine's shutdown
+    assert json.loads(Path(out["acceptance"]).read_text()) == report
+    assert report["drafter"] == str(drafter.resolve()) and report["offline_validation"] == {"loss": 1.25}
+    assert report["engine"]["version"] == "test" and report["acceptance_length"] == 1.5
+    assert [r["concurrency"] for r in report.get("speedup", [])] == concurrency
+    assert [json.loads(x)["id"] for x in Path(out["outputs"]).read_text().splitlines()] == ["q0", "q1"]
+    assert [json.loads(x)["id"] for x in Path(out["rejects"]).read_text().splitlines()] == ["q2"]

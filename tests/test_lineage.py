@@ -333,6 +333,11 @@ def test_lineage_jobs_are_the_jobs_the_targets_need_from_the_rules_declared_file
     assert train["inputs"] == {"shards": ["r/s-0.st", "r/s-1.st"], "d2t": ["r/sweep/a/d2t.npy"]}
     assert train["outputs"] == {"drafter": ["r/sweep/a/drafter"]} and train["sources"] == [{"rule": "train_v"}]
     assert jobs[0]["outputs"] == {"": ["m"]} and jobs[1]["inputs"] == {"model": ["m"]}
+    # the manifest's inputs: every output of those jobs, once each
+    from eagle3_pipeline.lineage import lineage_outputs
+
+    assert lineage_outputs(jobs + jobs[:1]) == sorted(p for j in jobs for ps in j["outputs"].values() for p in ps)
+    assert "r/sweep/a/drafter" in lineage_outputs(jobs) and lineage_outputs([]) == []
 
 
 def test_external_sources_are_what_a_rule_reads_by_config():

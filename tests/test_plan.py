@@ -519,3 +519,61 @@ def test_parameter_counts_of_other_families_equal_the_instantiated_model(family)
     sparse = {"qwen3": 0, "qwen3_moe": 5, "deepseek_v3": 4}[family]  # layers with experts
     unused = sparse * (8 - 2) * 3 * 256 * 128
     assert estimate_params(cfg, active=True) == total - unused
+
+
+def _fake_workflow(jobs: list[tuple[str, dict, list[str], list[str]]], targets: tuple[str, ...] = ("all",)):
+    """A stand-in for Snakemake's Workflow as the hooks read it: the DAG's pending jobs (rule, wildcards,
+    inputs, outputs) and its target jobs' rules."""
+    from types import SimpleNamespace
+
+    def job(rule, wildcards, inputs, outputs):
+        script = None if rule == "all" else f"../workflow_scripts/{rule}.py"
+        return SimpleNamespace(rule=SimpleNamespace(name=rule, script=script), wildcards_dict=wildcards, input=inputs, output=outputs)
+
+    dag = SimpleNamespace(
+        needrun_jobs=lambda exclude_finished: [job(*j) for j in jobs],
+        targetjobs=[SimpleNamespace(rule=SimpleNamespace(name=t)) for t in targets],
+    )
+    return SimpleNamespace(dag=dag)
+
+
+def test_the_onstart_hook_keeps_and_prints_the_plan_of_the_pending_jobs(tmp_path, capsys):
+    from eagle3_pipeline.snakemake_adapter import print_start_plan
+
+    lay = RunLayout.at(tmp_path / "results" / "r")
+    d2t = lay.vocab("d2t")
+    wf = _fake_workflow([("train_drafter", {}, [d2t], [lay.drafter()]), ("build_vocab_mapping", {}, [], [d2t])])
+    print_start_plan(wf, validate_config({"run": "r"}), lay, None)
+    (kept,) = lay.start_plans()
+    plan = json.loads(kept.read_text())
+    assert plan["kind"] == "start" and plan["jobs"] == {"build_vocab_mapping": 1, "train_drafter": 1}
+    err = capsys.readouterr().err
+    assert re.match(rf"plan for run 'r' on {plan['platform']} \(estimates; kept as {re.escape(kept.as_posix())}\):\n", err)
+    assert "Snakemake will run 2 job(s): build_vocab_mapping x1, train_drafter x1" in err
+    # nothing pending in a planned stage (`snakemake plan` itself): no plan kept or printed
+    print_start_plan(_fake_workflow([("plan", {}, [], [])]), validate_config({"run": "r"}), lay, None)
+    assert lay.start_plans() == [kept] and capsys.readouterr().err == ""
+    # a plan is advice: a DAG it cannot read is named, never raised
+    print_start_plan(object(), validate_config({"run": "r"}), lay, None)
+    assert capsys.readouterr().err.startswith("(no plan: AttributeError:")
+
+
+def test_the_onerror_hook_says_what_a_rerun_resumes_from(tmp_path, capsys):
+    from eagle3_pipeline.resume import ChunkStore
+    from eagle3_pipeline.snakemake_adapter import print_resume_hint
+
+    lay = RunLayout.at(tmp_path / "results" / "r")
+    store = ChunkStore(lay.traces("00000"), "fp", ".jsonl")
+    with store.writing(0) as tmp:
+        tmp.write_text("{}\n")
+    print_resume_hint(_fake_workflow([]), lay)
+    assert capsys.readouterr().err == (
+        "\nThe run stopped before it finished. Rerun the same command to resume: kept for the rerun,\n"
+        f"  1 finished chunk(s) of {Path(lay.traces('00000'))}\n"
+        f"Each job's log is under {lay.log_dir}/ (Snakemake replaces a job's log when it reruns the job).\n"
+    )
+    print_resume_hint(_fake_workflow([], targets=("verify",)), lay)  # altered files: a rerun does not mend them
+    assert capsys.readouterr().err == ""
+    store.remove()
+    print_resume_hint(_fake_workflow([]), lay)
+    assert "Rerun the same command to resume.\nEach job's log" in capsys.readouterr().err

@@ -93,6 +93,35 @@ def test_sweep_rows_and_table():
     assert lines[3].startswith("| (run) | (the run's own) | 2.500 | 0.75 / 0.50 / 0.25 | 3 |") and "| 335 |" in lines[3]
 
 
+def test_each_variant_uses_the_run_vocab_and_drafter_unless_its_settings_differ():
+    from eagle3_pipeline.layout import RunLayout
+    from eagle3_pipeline.sweep import drafter_layout, sweep_rows, vocab_layout
+
+    run = validate_config({})
+    variants = variant_configs(validate_config({"sweep": {"variants": SWEEP}}))
+    lay = RunLayout("r")
+    assert [vocab_layout(run, variants[v], lay, v) for v in SWEEP] == [lay, lay, lay.variant("v1k")]
+    assert [drafter_layout(run, variants[v], lay, v) for v in SWEEP] == [lay, lay.variant("ttt1"), lay.variant("v1k")]
+    rows = sweep_rows(run, variants, lay)
+    assert [(r["name"], r["shared"]) for r in rows] == [("(run)", False), ("k1", True), ("ttt1", False), ("v1k", False)]
+    assert rows[0] == {
+        "name": "(run)",
+        "changes": {},
+        "shared": False,
+        "acceptance": "results/r/eval/acceptance.json",
+        "train_summary": "results/r/train/summary.json",
+        "coverage": "results/r/vocab/coverage.json",
+    }
+    assert rows[1]["changes"] == {"evaluation.num_speculative_tokens": 1}
+    assert [r["acceptance"] for r in rows[1:]] == [f"results/r/sweep/{v}/eval/acceptance.json" for v in SWEEP]  # each its own
+    assert [r["train_summary"] for r in rows[1:]] == [
+        "results/r/train/summary.json",
+        "results/r/sweep/ttt1/train/summary.json",
+        "results/r/sweep/v1k/train/summary.json",
+    ]
+    assert [r["coverage"] for r in rows[1:]] == ["results/r/vocab/coverage.json"] * 2 + ["results/r/sweep/v1k/vocab/coverage.json"]
+
+
 SWEEP = {
     "k1": {"evaluation": {"num_speculative_tokens": 1}},  # the run's drafter, evaluated with k = 1
     "ttt1": {"training": {"ttt_steps": 1, "epochs": 1}},  # a drafter of its own, on the run's vocab

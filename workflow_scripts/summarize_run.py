@@ -1,10 +1,10 @@
 """Rule summarize_run: one summary.json with every stage's counts, rejects and results."""
 
 import logging
-from pathlib import Path
 
 from eagle3_pipeline.io import write_json_atomic
-from eagle3_pipeline.plan import benchmark_dir, estimate_vs_actual, measured, start_plans
+from eagle3_pipeline.layout import RunLayout
+from eagle3_pipeline.plan import estimate_vs_actual, measured
 from eagle3_pipeline.runtime import start_log
 from eagle3_pipeline.summary import summarize
 
@@ -14,11 +14,11 @@ if __name__ == "__main__":
     s = summarize(
         sm.input.prompts, list(sm.input.traces), sm.input.coverage, list(sm.input.hidden_indexes), sm.input.train, sm.input.acceptance
     )
-    run_dir = Path(sm.output[0]).parent  # results/<run>
+    layout = RunLayout(sm.config["run"])  # the run's files (from the config, not a param: no rerun)
     # each full-model/training stage's tokens/s and model load seconds, as its outputs recorded them
-    s["throughput"] = measured(run_dir)
-    # the plans the run started with (results/<run>/plans/, one per start or resume), against what happened
-    s["estimate_vs_actual"] = estimate_vs_actual(start_plans(run_dir), run_dir, benchmark_dir(run_dir.name))
+    s["throughput"] = measured(layout.dir)
+    # the plans the run started with (one per start or resume), against what happened
+    s["estimate_vs_actual"] = estimate_vs_actual(layout.start_plans(), layout.dir, layout.bench_dir)
     write_json_atomic(sm.output[0], s)
     log = logging.getLogger("summarize_run")
     log.info("prompts: %d kept of %d read, rejects %s", s["prompts"]["kept"], s["prompts"]["read"], s["prompts"]["rejects_by_reason"])

@@ -1,8 +1,8 @@
 """Rule write_manifest: results/<run>/manifest.json, every artifact linked to what made it (eagle3_pipeline.lineage)."""
 
 import logging
-from pathlib import Path
 
+from eagle3_pipeline.layout import RunLayout
 from eagle3_pipeline.lineage import build_manifest, write_manifest
 from eagle3_pipeline.runtime import start_log
 
@@ -10,8 +10,8 @@ if __name__ == "__main__":
     sm = snakemake  # noqa: F821 (injected by Snakemake)
     start_log(sm.log[0])
     log = logging.getLogger("write_manifest")
-    run_dir = Path(sm.output[0]).parent  # results/<run>: artifact keys are relative to it
-    m = build_manifest(run_dir, list(sm.params.jobs), dict(sm.config), sm.input.target)
+    # the run's directory (from the config, not a param: no rerun): artifact keys are relative to it
+    m = build_manifest(RunLayout(sm.config["run"]).dir, list(sm.params.jobs), dict(sm.config), sm.input.target)
     write_manifest(sm.output[0], m)
     failed = [c for c in m["checks"] if not c["ok"]]
     log.info(

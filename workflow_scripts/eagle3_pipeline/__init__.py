@@ -17,7 +17,9 @@ evaluate_drafter            :mod:`eagle3_pipeline.evaluation`
 Conventions shared by several stages (layer ids, loss mask, token alignment) are
 named once, in :mod:`eagle3_pipeline.conventions`. The hidden-state shard format is
 :mod:`eagle3_pipeline.shards` (what training reads); extraction's backends are
-:mod:`eagle3_pipeline.hf_backend` and :mod:`eagle3_pipeline.vllm_extraction`.
+:mod:`eagle3_pipeline.hf_backend` and :mod:`eagle3_pipeline.vllm_extraction`. Generation and
+extraction run as one resumable per-shard job (:mod:`eagle3_pipeline.shard_job`: host-wide lock,
+chunk store, stale engines, replicas); they say only what a chunk is and how to assemble it.
 """
 
 __version__ = "0.1.0"

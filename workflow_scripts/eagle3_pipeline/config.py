@@ -63,6 +63,40 @@ def check_against_target(config: dict, num_hidden_layers: int, vocab_size: int) 
         raise ConfigError("invalid configuration for this target:\n" + "\n".join(problems))
 
 
+def check_run_against_target(config: dict, variants: dict[str, dict], num_hidden_layers: int, vocab_size: int) -> None:
+    """:func:`check_against_target` for the run's settings and each sweep variant's, before any job runs.
+
+    Args:
+        config: the run's validated config.
+        variants: each variant's full config (:func:`eagle3_pipeline.sweep.variant_configs`).
+        num_hidden_layers, vocab_size: the target's shape.
+
+    Raises:
+        ConfigError: the first settings that do not fit the target, a variant's prefixed with
+            ``sweep.variants.<name>:``.
+    """
+    check_against_target(config, num_hidden_layers, vocab_size)
+    for name, cfg in variants.items():
+        try:
+            check_against_target(cfg, num_hidden_layers, vocab_size)
+        except ConfigError as e:
+            raise ConfigError(f"sweep.variants.{name}: {e}") from None
+
+
+def num_speculative_tokens(config: dict) -> int:
+    """The draft tokens per step evaluation asks vLLM for (k): ``evaluation.num_speculative_tokens``,
+    or the drafter's ``training.ttt_steps`` when null."""
+    k = config["evaluation"]["num_speculative_tokens"]
+    return k if k is not None else config["training"]["ttt_steps"]
+
+
+def evaluation_vllm(config: dict, vllm_params: dict) -> dict:
+    """The evaluation engine's settings: ``vllm_params`` (the run's ``vllm:`` params, :func:`job_settings`)
+    with ``config``'s ``evaluation.enforce_eager`` where set."""
+    eager = config["evaluation"]["enforce_eager"]
+    return vllm_params | ({} if eager is None else {"enforce_eager": eager})
+
+
 def coerce_cli_strings(cfg: dict, schema: dict) -> None:
     """Turn strings into the schema's non-string types, in place (``"2"`` → 2, ``"false"`` → False).
 

@@ -12,13 +12,18 @@ vLLM serves the target with ``speculative_config={"method": "eagle3", "model": <
 τ is not what a user buys; tokens per second are. The same job then decodes the prompts
 again at each ``evaluation.speedup.concurrency`` (requests in flight), with the drafter and
 with the target alone in an engine of the same settings, and reports output tokens/s of
-both and their ratio (:func:`decode_throughput`, :func:`speedup_table`).
+both and their ratio (:func:`decode_throughput`, :func:`speedup_table`). :func:`run_evaluation` is
+the job: host-wide lock, stale engines, the drafter's engine, then the target's alone.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .layout import RunLayout
 
 logger = logging.getLogger(__name__)
 
@@ -257,3 +262,108 @@ def speedup_table(with_drafter: list[dict], without: list[dict]) -> list[dict]:
             }
         )
     return rows
+
+
+def run_evaluation(
+    drafter: str,
+    prompts_path: str,
+    target: str,
+    train_summary: str,
+    out: dict,
+    params: dict,
+    *,
+    layout: RunLayout,
+    variant: str | None = None,
+    host_lock_enabled: bool = True,
+) -> dict:
+    """The evaluate_drafter job: τ of ``drafter`` in vLLM, then what it buys in output tokens/s.
+
+    Before any engine, the drafter's files are checked against the record training wrote
+    (:func:`eagle3_pipeline.io.check_recorded_files`). Under the host-wide full-model lock,
+    engines a killed job of the run left are ended (their records are the run's
+    :meth:`~eagle3_pipeline.layout.RunLayout.pids`, a sweep variant's too) and the GPUs checked
+    free; then one engine serves the target with the drafter (``speculative_config`` EAGLE-3, k
+    ``params["num_speculative_tokens"]``) for τ (:func:`run_eval`) and the decoding throughput with the
+    drafter (:func:`throughput_runs`), is shut down, and, when ``evaluation.speedup.concurrency``
+    is set, a second engine of the same settings decodes the answered prompts with the target
+    alone (:func:`speedup_table`). Each engine's processes are recorded while it runs
+    (:class:`eagle3_pipeline.hygiene.ProcessRecord`), so that a rerun ends those a killed job left.
+
+    Args:
+        drafter: the drafter directory (speculators format).
+        prompts_path: ``eval/prompts.jsonl``: the held-out questions.
+        target: target model directory.
+        train_summary: the drafter's ``train/summary.json`` (its offline validation is reported beside τ).
+        out: output paths ``{"acceptance", "outputs", "rejects"}``.
+        params: ``{"evaluation", "num_speculative_tokens", "generation", "vllm", "seed", "max_seq_len",
+            "trust_remote_code"}`` (the rule's params).
+        layout: the run's layout (:class:`eagle3_pipeline.layout.RunLayout`): where the process records go.
+        variant: the sweep variant whose drafter this is, or None for the run's own (names the record).
+        host_lock_enabled: hold the host-wide full-model lock while the engines run.
+
+    Returns:
+        the acceptance report written to ``out["acceptance"]`` (:func:`acceptance_report` fields,
+        ``num_prompts``, ``speedup`` when measured, the drafter, engine, timings, peak memory).
+
+    Raises:
+        InputError: the drafter's files differ from training's record, no evaluation prompt fits
+            ``max_seq_len``, or this platform's vLLM cannot draft for the target.
+        RuntimeError: other processes hold the GPUs, or vLLM reported no drafts.
+    """
+    from pathlib import Path
+
+    from .engine import build_llm, engine_identity, shutdown_llm
+    from .hygiene import ProcessRecord, check_gpus_free, cleanup_stale_processes, host_lock
+    from .io import check_recorded_files, read_json, read_jsonl, write_json_atomic, write_jsonl_atomic
+    from .runtime import Timer, peak_memory
+    from .target_model import load_tokenizer
+
+    drafter = str(Path(drafter).resolve())
+    check_recorded_files(drafter, exhaustive=True)  # the bytes training wrote, or an error naming the file (before any engine)
+    k = params["num_speculative_tokens"]
+    spec = {"method": "eagle3", "model": drafter, "num_speculative_tokens": k}
+    pids = ProcessRecord(layout.pids(), "evaluate_drafter" + (f"-{variant}" if variant else ""))
+    engine_args = {
+        "seed": params["seed"],
+        "max_model_len": params["max_seq_len"],
+        "trust_remote_code": params["trust_remote_code"],
+    }
+    with host_lock(enabled=host_lock_enabled):
+        cleanup_stale_processes(pids.path.parent)
+        check_gpus_free()
+        load = Timer()
+        llm = build_llm(target, params["vllm"], speculative_config=spec, **engine_args)
+        load_s = load.seconds
+        pids.record()
+        questions = list(read_jsonl(prompts_path))
+        tokenizer = load_tokenizer(target, params["trust_remote_code"])
+        prompts = eval_prompt_ids(tokenizer, questions, params["generation"]["chat_template_kwargs"])
+        eval_cfg = params["evaluation"] | {"num_speculative_tokens": k}
+        run = Timer()
+        report, rows, rejects = run_eval(llm, questions, prompts, eval_cfg, params["max_seq_len"])
+        eval_s = run.seconds
+        # what the drafter buys: the answered prompts decoded with it, then by the target alone
+        answered = {r["id"] for r in rows}
+        prompts = [p for q, p in zip(questions, prompts, strict=True) if q["id"] in answered]
+        with_drafter = throughput_runs(llm, prompts, eval_cfg, "with the drafter")
+        shutdown_llm(llm)
+        pids.clear()
+        if with_drafter:
+            base = build_llm(target, params["vllm"], **engine_args)
+            pids.record()
+            without = throughput_runs(base, prompts, eval_cfg, "without the drafter", warm_up=True)
+            shutdown_llm(base)
+            pids.clear()
+            report["speedup"] = speedup_table(with_drafter, without)
+    report |= {
+        "drafter": drafter,
+        "engine": engine_identity(),
+        "model_load_seconds": round(load_s, 3),
+        "seconds": round(eval_s, 3),
+        "offline_validation": read_json(train_summary).get("final_val", {}),
+    } | peak_memory()
+    write_jsonl_atomic(out["outputs"], rows)
+    write_jsonl_atomic(out["rejects"], rejects)
+    write_json_atomic(out["acceptance"], report)
+    logger.info("acceptance length tau = %.3f (%d drafts)", report["acceptance_length"], report["num_drafts"])
+    return report

@@ -505,10 +505,9 @@ def run_generation_shard(
     Prompts (in id order) are generated in chunks of ``chunk_prompts``; each finished
     chunk is kept (:mod:`eagle3_pipeline.resume`), so a killed job's rerun generates
     only the unfinished chunks and the final traces are identical to an uninterrupted
-    run's (same order; greedy decoding or an engine seed). Chunks are counted, and the engines
-    started only when some remain, under the host-wide full-model lock; a shard that another
-    job of it finished while this one waited for the lock is kept
-    (:func:`eagle3_pipeline.resume.finished_by_another_job`). With
+    run's (same order; greedy decoding or an engine seed). The job's lifecycle (host-wide lock,
+    a shard another job finished, stale engines, replicas) is :func:`eagle3_pipeline.shard_job.run_shard_job`'s;
+    a chunk is :func:`_generation_replica`'s, its traces and rejects one JSONL file. With
     ``vllm.data_parallel_size = D > 1``, D engine replicas (each on tensor × pipeline
     parallel GPUs, or ``vllm.replicas_per_gpu`` of them on each GPU) share the chunks
     (:mod:`eagle3_pipeline.parallel`).
@@ -530,15 +529,10 @@ def run_generation_shard(
         ValueError: fewer GPUs visible than the replicas need.
         RuntimeError: a replica failed (finished chunks are kept).
     """
-    import functools
-
     from .config import result_settings
     from .engine import check_eagle3_target
-    from .hygiene import check_gpus_free, cleanup_stale_processes, host_lock
-    from .io import file_stat, read_jsonl, sha256_file, sha256_json, write_json_atomic, write_jsonl_atomic
-    from .parallel import replica_stats, run_replicas
-    from .resume import ChunkStore, ancestors, chunk_ranges, finished_by_another_job, todo_chunks
-    from .runtime import Timer, peak_memory
+    from .io import file_stat, read_jsonl, sha256_file, sha256_json, write_jsonl_atomic
+    from .shard_job import ShardJob, ShardRun, run_shard_job
     from .target_model import model_fingerprint
 
     # the first stage fails for a target the evaluation's vLLM could not draft for, not the last
@@ -549,46 +543,13 @@ def run_generation_shard(
     # others; the chunk size is the fingerprint's own (it defines the chunks)
     fp_params = {**params} | {sec: result_settings(params, sec) for sec in ("generation", "vllm")}
     fingerprint = sha256_json({"prompts": sha256_file(prompts_path), "model": model, "params": fp_params, "chunk": chunk_prompts})
-    parents = ancestors()  # this job's snakemake (and any shell between): ChunkStore.finish
-    with host_lock(enabled=host_lock_enabled):
-        # Chunks are counted only once the lock is ours: the job of an earlier snakemake that
-        # was killed alone lives on, holds the lock, and may finish this shard and remove its
-        # chunks while this job waits.
-        done = finished_by_another_job(out["summary"], [out["traces"], out["rejects"]], fingerprint)
-        if done is not None:
-            ChunkStore(out["traces"], fingerprint, ".jsonl").remove()  # the chunks that job kept for a rerun
-            return done
-        store = ChunkStore(out["traces"], fingerprint, ".jsonl")
-        for old in store.dir.glob("replica-*.json"):
-            old.unlink()
-        ranges = chunk_ranges(len(records), chunk_prompts)
-        todo = todo_chunks(store, ranges)
-        vcfg = params["vllm"]
-        wall = Timer()
-        if todo:
-            cleanup_stale_processes(pids_of(out["traces"]))
-            check_gpus_free()
-            job = {
-                "params": params,
-                "records": records,
-                "ranges": ranges,
-                "todo": todo,
-                "traces": out["traces"],
-                "target": target,
-                "model": model,
-            }
-            run_replicas(
-                functools.partial(_generation_replica, job),
-                todo,
-                vcfg["data_parallel_size"],
-                vcfg["tensor_parallel_size"] * vcfg["pipeline_parallel_size"],
-                vcfg.get("replicas_per_gpu", 1),
-            )
-        wall_s = wall.seconds
-        stats = replica_stats(store.dir)
+    vcfg = params["vllm"]
+
+    def assemble(run: ShardRun) -> dict:
+        """The traces (in prompt-id order) and rejects of every chunk, and the summary's fields."""
         result = ShardResult()
-        for i in range(len(ranges)):
-            for x in read_jsonl(store.path(i)):
+        for i in range(len(run.ranges)):
+            for x in read_jsonl(run.store.path(i)):
                 if "trace" in x:
                     result.traces.append(x["trace"])
                 else:
@@ -597,28 +558,33 @@ def run_generation_shard(
         result.check_usable()
         write_jsonl_atomic(out["rejects"], (r.as_dict() for r in result.rejects))
         write_jsonl_atomic(out["traces"], result.traces)
-        gen_s = stats.get("generate_seconds", 0.0)
-        summary = (
-            result.summary()
-            | {
-                "chunks": len(ranges),
-                "chunks_resumed": len(ranges) - len(todo),
-                "data_parallel_size": vcfg["data_parallel_size"],
-                "replicas_per_gpu": vcfg.get("replicas_per_gpu", 1),
-                "tensor_parallel_size": vcfg["tensor_parallel_size"],
-                "pipeline_parallel_size": vcfg["pipeline_parallel_size"],
-                "model_load_seconds": round(stats.get("model_load_seconds", 0.0), 3),
-                "generate_seconds": round(gen_s, 3),
-                "engine_wall_seconds": round(wall_s, 3) if todo else 0.0,
-                "completion_tokens_per_second": stats.get("completion_tokens", 0) / gen_s if gen_s else 0.0,
-                "replicas": stats.get("replicas", []),
-                "traces_sha256": sha256_file(out["traces"]),
-                "traces_stat": file_stat(out["traces"]),  # the shard as hashed (io.checked_sha256)
-                "fingerprint": fingerprint,
-            }
-            | peak_memory()
-        )
-        write_json_atomic(out["summary"], summary)
-        store.finish([], parents)  # all chunks kept when snakemake ended meanwhile: its rerun assembles them, no engine
+        gen_s = run.stats.get("generate_seconds", 0.0)
+        return result.summary() | {
+            "tensor_parallel_size": vcfg["tensor_parallel_size"],
+            "pipeline_parallel_size": vcfg["pipeline_parallel_size"],
+            "generate_seconds": round(gen_s, 3),
+            "engine_wall_seconds": round(run.wall_seconds, 3),
+            "completion_tokens_per_second": run.stats.get("completion_tokens", 0) / gen_s if gen_s else 0.0,
+            "traces_sha256": sha256_file(out["traces"]),
+            "traces_stat": file_stat(out["traces"]),  # the shard as hashed (io.checked_sha256)
+        }
+
+    summary = run_shard_job(
+        ShardJob(
+            outputs=[out["traces"], out["rejects"]],
+            record=out["summary"],
+            fingerprint=fingerprint,
+            chunk_suffix=".jsonl",
+            num_items=len(records),
+            chunk_size=chunk_prompts,
+            worker=_generation_replica,
+            worker_job={"params": params, "records": records, "traces": out["traces"], "target": target, "model": model},
+            assemble=assemble,
+            replicas=vcfg["data_parallel_size"],
+            gpus_per_replica=vcfg["tensor_parallel_size"] * vcfg["pipeline_parallel_size"],
+            replicas_per_gpu=vcfg.get("replicas_per_gpu", 1),
+        ),
+        host_lock_enabled=host_lock_enabled,
+    )
     logger.info("generation: %s", {k: v for k, v in summary.items() if k != "replicas"})
     return summary

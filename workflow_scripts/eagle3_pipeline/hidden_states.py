@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 
 import numpy as np
 
-from .io import write_json_atomic
-from .layout import pids_of
 from .shards import DONE_SUFFIX, FP8, STORAGE_DTYPES, prepare_partial_shard, sample_from_trace, shard_index
 
 logger = logging.getLogger(__name__)
@@ -61,7 +58,8 @@ def run_extraction_shard(
     are extracted in chunks of ``cfg["chunk_samples"]``; a chunk gets a done marker once
     its states are written (:mod:`eagle3_pipeline.resume`), so a killed job's rerun
     extracts only the rest, and the finished shard, renamed into place when every chunk
-    is done, equals an uninterrupted run's. With
+    is done, equals an uninterrupted run's. The job's lifecycle (host-wide lock, a shard another
+    job finished, stale engines, replicas) is :func:`eagle3_pipeline.shard_job.run_shard_job`'s. With
     ``cfg["data_parallel_size"] = D > 1``, D model replicas, each on
     ``cfg["gpus_per_replica"]`` GPUs, share the chunks (:mod:`eagle3_pipeline.parallel`);
     vLLM engines can share GPUs (``cfg["replicas_per_gpu"]``, the ``vllm:`` section's).
@@ -74,16 +72,12 @@ def run_extraction_shard(
     Raises:
         InputError: not enough disk space; ValueError: a trace exceeds ``max_seq_len``
             or has an empty completion, or fewer GPUs are visible than the replicas need;
-            FloatingPointError: NaN/Inf states; RuntimeError: a replica failed.
+            FloatingPointError: NaN/Inf states; RuntimeError: a replica failed (finished chunks are kept).
     """
-    import functools
-
     from .conventions import resolve_layer_ids
-    from .hygiene import check_disk, check_gpus_free, cleanup_stale_processes, hidden_state_bytes, host_lock
-    from .io import InputError, checked_sha256, read_json, read_jsonl
-    from .parallel import replica_stats, run_replicas
-    from .resume import ChunkStore, ancestors, chunk_ranges, finished_by_another_job, todo_chunks
-    from .runtime import peak_memory
+    from .hygiene import check_disk, hidden_state_bytes
+    from .io import read_jsonl
+    from .shard_job import ShardJob, ShardRun, run_shard_job
     from .target_model import text_config
 
     tcfg = text_config(target, trust_remote_code)
@@ -95,50 +89,41 @@ def run_extraction_shard(
         need = hidden_state_bytes(tokens, len(layer_ids), tcfg.hidden_size, dtype.itemsize)
         need += tokens * len(layer_ids) * 4 if dtype == FP8 else 0  # per-row scales
         check_disk(out_shard, need, what=f"extraction of {traces_path}", override_key="extraction.disk_preflight")
-    fingerprint = extraction_fingerprint(traces_path, target, cfg, max_seq_len)
-    parents = ancestors()  # this job's snakemake (and any shell between): ChunkStore.finish
-    with host_lock(enabled=host_lock_enabled):
-        # Chunks are counted only once the lock is ours: the job of an earlier snakemake that
-        # was killed alone lives on, holds the lock, and may finish this shard and remove its
-        # chunks while this job waits.
-        done = finished_by_another_job(out_index, [out_shard], fingerprint)
-        if done is not None:
-            ChunkStore(out_shard, fingerprint, DONE_SUFFIX).remove()  # the links that job kept for a rerun
-            return done
-        # engines of a killed earlier job may still be writing into the partial shard: end them
-        # before counting its done chunks (and before the GPU check below)
-        cleanup_stale_processes(pids_of(out_shard))
-        store = ChunkStore(out_shard, fingerprint, DONE_SUFFIX)
-        if store.take_finished([out_shard, out_index]):
-            index = read_json(out_index)
-            try:  # the bytes its job recorded (hard links: unchanged unless altered since)
-                checked_sha256(out_shard, index.get("sha256"), index.get("stat"), out_index)
-            except InputError as e:
-                logger.warning("not taking back the kept shard: %s", e)
-                for p in (out_shard, out_index):
-                    Path(p).unlink(missing_ok=True)
-                store.remove()
-                store = ChunkStore(out_shard, fingerprint, DONE_SUFFIX)
-            else:
-                store.remove()
-                return index
-        for old in store.dir.glob("replica-*.json"):
-            old.unlink()
-        layout = {"layer_ids": layer_ids, "aux_layer_ids": aux, "hidden_size": tcfg.hidden_size, "storage_dtype": dtype}
-        shard_file = prepare_partial_shard(store, samples, **layout)
-        ranges = chunk_ranges(len(samples), cfg["chunk_samples"])
-        todo = todo_chunks(store, ranges)
-        replicas = cfg.get("data_parallel_size") or 1
-        per_gpu = (cfg.get("replicas_per_gpu") or 1) if cfg["backend"] == "vllm" else 1  # hf replicas own their GPUs
-        if todo:
-            check_gpus_free()
-            job = {
+    layout = {"layer_ids": layer_ids, "aux_layer_ids": aux, "hidden_size": tcfg.hidden_size, "storage_dtype": dtype}
+
+    def prepare(store) -> dict:
+        """The shard preallocated in the chunk store, filled in place by the replicas (its done
+        chunks kept only when it matches these samples and layout)."""
+        return {"shard_file": str(prepare_partial_shard(store, samples, **layout))}
+
+    def assemble(run: ShardRun) -> dict:
+        """The partial shard renamed into place, and its index."""
+        os.replace(run.worker_job["shard_file"], out_shard)
+        index = shard_index(out_shard, samples, layer_ids=layer_ids, aux_layer_ids=aux, index_path=None)
+        run_s = run.stats.get("extract_seconds", 0.0)
+        return index | {
+            "backend": cfg["backend"],
+            "extract_seconds": round(run_s, 3),
+            "tokens_per_second": run.stats.get("tokens", 0) / run_s if run_s else 0.0,
+        }
+
+    if cfg["backend"] == "vllm":
+        from .vllm_extraction import vllm_extraction_replica as worker
+    else:
+        from .hf_backend import extraction_replica as worker
+    return run_shard_job(
+        ShardJob(
+            outputs=[out_shard],
+            record=out_index,
+            fingerprint=extraction_fingerprint(traces_path, target, cfg, max_seq_len),
+            chunk_suffix=DONE_SUFFIX,
+            num_items=len(samples),
+            chunk_size=cfg["chunk_samples"],
+            worker=worker,
+            worker_job={
                 "cfg": cfg,
                 "samples": samples,
-                "ranges": ranges,
-                "todo": todo,
                 "out_shard": out_shard,
-                "shard_file": str(shard_file),
                 "rows": np.concatenate([[0], np.cumsum([len(x.input_ids) for x in samples])]).tolist(),
                 "target": target,
                 "trust_remote_code": trust_remote_code,
@@ -146,31 +131,15 @@ def run_extraction_shard(
                 "aux": aux,
                 "engine": cfg.get("engine"),
                 "max_seq_len": max_seq_len,
-            }
-            if cfg["backend"] == "vllm":
-                from .vllm_extraction import vllm_extraction_replica as worker
-            else:
-                from .hf_backend import extraction_replica as worker
-            run_replicas(functools.partial(worker, job), todo, replicas, cfg.get("gpus_per_replica") or 1, per_gpu)
-        missing = sorted(set(range(len(ranges))) - set(store.finished()))
-        if missing:
-            raise RuntimeError(f"{out_shard}: chunk(s) {missing[:5]} were not extracted; rerun the job to resume")
-        stats = replica_stats(store.dir)
-        os.replace(shard_file, out_shard)
-        index = shard_index(out_shard, samples, layer_ids=layer_ids, aux_layer_ids=aux, index_path=None)
-        run_s = stats.get("extract_seconds", 0.0)
-        index |= {
-            "backend": cfg["backend"],
-            "chunks": len(ranges),
-            "chunks_resumed": len(ranges) - len(todo),
-            "data_parallel_size": replicas,
-            "replicas_per_gpu": per_gpu,
-            "model_load_seconds": round(stats.get("model_load_seconds", 0.0), 3),
-            "extract_seconds": round(run_s, 3),
-            "tokens_per_second": stats.get("tokens", 0) / run_s if run_s else 0.0,
-            "replicas": stats.get("replicas", []),
-        }
-        index |= peak_memory() | {"fingerprint": fingerprint}
-        write_json_atomic(out_index, index)
-        store.finish([out_shard, out_index], parents)
-        return index
+            },
+            assemble=assemble,
+            prepare=prepare,
+            replicas=cfg.get("data_parallel_size") or 1,
+            gpus_per_replica=cfg.get("gpus_per_replica") or 1,
+            replicas_per_gpu=(cfg.get("replicas_per_gpu") or 1) if cfg["backend"] == "vllm" else 1,  # hf replicas own their GPUs
+            # the shard is filled in place and renamed: a rerun after this job's snakemake ended
+            # takes the finished shard back (its chunks alone no longer make it)
+            keep_finished=True,
+        ),
+        host_lock_enabled=host_lock_enabled,
+    )

@@ -280,6 +280,12 @@ def external_sources(config: dict, rule: str) -> list[dict]:
 # --------------------------------------------------------------------------- the manifest
 
 
+def lineage_outputs(jobs: list[dict]) -> list[str]:
+    """Every output file of ``jobs`` (:func:`eagle3_pipeline.snakemake_adapter.lineage_jobs`), sorted and
+    each once: the run manifest's inputs."""
+    return sorted({p for job in jobs for paths in job["outputs"].values() for p in paths})
+
+
 def build_manifest(run_dir: str | os.PathLike, jobs: list[dict], config: dict, target: str, hasher: Hasher | None = None) -> dict:
     """The run manifest of ``run_dir`` (see the module docstring for its parts).
 

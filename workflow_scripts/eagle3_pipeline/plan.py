@@ -551,16 +551,9 @@ def _bench_seconds(path: Path) -> float | None:
         return None
 
 
-def benchmark_dir(run: str) -> str:
-    """Where Snakemake writes the per-job benchmark files of run ``run``: :attr:`RunLayout.bench_dir`
-    (kept for workflow_scripts/summarize_run.py, whose edit would make Snakemake rerun finished runs'
-    summaries)."""
-    return RunLayout(run).bench_dir
-
-
 def job_seconds(run_dir: str | Path, bench_dir: str | Path | None, stage: str, wildcards: dict) -> float | None:
     """Wall seconds one job of ``stage`` took: from its Snakemake benchmark file in ``bench_dir``
-    (:func:`benchmark_dir`: the whole job, start-up and teardown included) when it exists, else
+    (:attr:`RunLayout.bench_dir`: the whole job, start-up and teardown included) when it exists, else
     from its output under ``run_dir`` (model load + work seconds). None when neither has them.
 
     Raises:
@@ -588,7 +581,7 @@ def estimate_vs_actual(plans: list[str | Path], run_dir: str | Path, bench_dir: 
             estimate comes from the latest plan in which it was pending: a resumed run's plan
             leaves out the stages finished before the resume, whose estimates stay those of
             the plan they ran under.
-        run_dir, bench_dir: ``results/<run>`` and :func:`benchmark_dir` (:func:`job_seconds`).
+        run_dir, bench_dir: ``results/<run>`` and its :attr:`RunLayout.bench_dir` (:func:`job_seconds`).
 
     Returns:
         Rows ``{stage, estimated_seconds, actual_seconds, actual_over_estimate, source, plan}``

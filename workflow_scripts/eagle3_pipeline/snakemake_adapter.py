@@ -12,19 +12,46 @@ here, and nowhere else, so that a change of Snakemake's internals fails in one p
 - :func:`print_start_plan` and :func:`print_resume_hint`: the bodies of the ``onstart`` and
   ``onerror`` hooks (rules/plan.smk);
 - :func:`lineage_jobs`: every job of the run with its declared files, for the run manifest
-  (rules/write_manifest.smk).
+  (rules/write_manifest.smk);
+- :func:`workflow_errors`: the library's configuration and input errors as Snakemake's own, for
+  rules/common.smk.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
+from .config import ConfigError
+from .io import InputError
 from .layout import RunLayout
+
+
+@contextlib.contextmanager
+def workflow_errors(key: str | None = None) -> Iterator[None]:
+    """Report a :class:`~eagle3_pipeline.config.ConfigError` or :class:`~eagle3_pipeline.io.InputError`
+    raised in the block as Snakemake's ``WorkflowError``: one message, no traceback, when the
+    Snakefile is read.
+
+    Args:
+        key: the config key the block reads (``"target.path"``), put before the message; None when
+            the message names its keys itself.
+
+    Raises:
+        snakemake.exceptions.WorkflowError: instead of those errors.
+    """
+    from snakemake.exceptions import WorkflowError
+
+    try:
+        yield
+    except (ConfigError, InputError) as e:
+        raise WorkflowError(f"{key}: {e}" if key else str(e)) from None
 
 
 def rule_stage(rule) -> str:

@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import copy
 import re
+from typing import TYPE_CHECKING
 
 from .config import ConfigError, result_settings, runtime_keys, validate_config
+
+if TYPE_CHECKING:
+    from .layout import RunLayout
 
 #: A variant's name: a folder name under results/<run>/sweep/ (not ".", "..", hidden or a path).
 NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
@@ -88,6 +92,56 @@ def changes(run_cfg: dict, variant_cfg: dict) -> dict[str, object]:
     return {
         f"{s}.{k}": v for s in VARIANT_SECTIONS for k, v in variant_cfg[s].items() if run_cfg[s].get(k) != v and k not in runtime_keys(s)
     }
+
+
+def vocab_layout(run_cfg: dict, variant_cfg: dict, layout: RunLayout, name: str) -> RunLayout:
+    """The layout whose draft vocab variant ``name`` uses: the run's (``layout``) unless the variant's
+    vocab settings differ (:func:`shares_vocab`), then its own (``layout.variant(name)``)."""
+    return layout if shares_vocab(run_cfg, variant_cfg) else layout.variant(name)
+
+
+def drafter_layout(run_cfg: dict, variant_cfg: dict, layout: RunLayout, name: str) -> RunLayout:
+    """The layout whose drafter variant ``name`` uses: the run's (``layout``) unless the variant's vocab
+    or training settings differ (:func:`shares_drafter`), then its own (``layout.variant(name)``)."""
+    return layout if shares_drafter(run_cfg, variant_cfg) else layout.variant(name)
+
+
+def sweep_rows(run_cfg: dict, variants: dict[str, dict], layout: RunLayout) -> list[dict]:
+    """The drafters of the sweep table, the run's own first, then each variant in order.
+
+    Args:
+        run_cfg: the run's validated config.
+        variants: each variant's full config (:func:`variant_configs`).
+        layout: the run's layout.
+
+    Returns:
+        one ``{"name", "changes", "shared", "acceptance", "train_summary", "coverage"}`` per drafter:
+        ``"(run)"`` or the variant's name, what differs from the run (:func:`changes`), whether the
+        drafter is the run's own (:func:`shares_drafter`), and the paths of its evaluation, of the
+        training summary of the drafter it uses and of the coverage of the vocab it uses.
+    """
+    rows = [
+        {
+            "name": "(run)",
+            "changes": {},
+            "shared": False,
+            "acceptance": layout.acceptance(),
+            "train_summary": layout.train_summary(),
+            "coverage": layout.coverage(),
+        }
+    ]
+    for name, cfg in variants.items():
+        rows.append(
+            {
+                "name": name,
+                "changes": changes(run_cfg, cfg),
+                "shared": shares_drafter(run_cfg, cfg),
+                "acceptance": layout.variant(name).acceptance(),
+                "train_summary": drafter_layout(run_cfg, cfg, layout, name).train_summary(),
+                "coverage": vocab_layout(run_cfg, cfg, layout, name).coverage(),
+            }
+        )
+    return rows
 
 
 def sweep_row(name: str, setting: dict, acceptance: dict, train_summary: dict, coverage: dict, shared: bool) -> dict:

@@ -197,6 +197,63 @@ def target_shape(path: str | os.PathLike) -> tuple[int, int]:
         raise InputError(f"{path}/config.json has no {e.args[0]}") from e
 
 
+def configured_target_dir(target_path: str) -> str:
+    """The directory of the target a config's ``target.path`` names.
+
+    Args:
+        target_path: ``target.path``: :data:`BUILTIN_TARGET` or a model directory.
+
+    Returns:
+        the embedded target's folder (:data:`eagle3_pipeline.layout.BUILTIN_TARGET_DIR`, which rule
+        prepare_target_model materializes) for :data:`BUILTIN_TARGET`, else ``target_path`` once
+        :func:`check_target_dir` accepts it.
+
+    Raises:
+        InputError: the user's directory is not a usable model directory (:func:`check_target_dir`).
+    """
+    from .layout import BUILTIN_TARGET_DIR
+
+    return BUILTIN_TARGET_DIR if target_path == BUILTIN_TARGET else str(check_target_dir(target_path))
+
+
+def configured_target_identity(target_path: str) -> str:
+    """Content identity of the target ``target.path`` names, for rule params (a changed target reruns
+    every stage that reads it): :data:`BUILTIN_TARGET` itself for the embedded target (not yet
+    materialized when the DAG is built; its package pins it), else :func:`quick_identity` of its directory.
+
+    Raises:
+        InputError: as :func:`configured_target_dir`.
+    """
+    return BUILTIN_TARGET if target_path == BUILTIN_TARGET else quick_identity(configured_target_dir(target_path))
+
+
+def configured_target_shape(target_path: str) -> tuple[int, int]:
+    """``(num_hidden_layers, vocab_size)`` of the target ``target.path`` names, for config checks before
+    any job runs: :data:`BUILTIN_SHAPE` for the embedded target, else :func:`target_shape`.
+
+    Raises:
+        InputError: as :func:`configured_target_dir`, or its ``config.json`` lacks the keys.
+    """
+    return BUILTIN_SHAPE if target_path == BUILTIN_TARGET else target_shape(configured_target_dir(target_path))
+
+
+def init_drafter_identity(drafter_path: str | None) -> str | None:
+    """Content identity (:func:`quick_identity`) of the drafter a training warm-starts from
+    (``training.init_from``), for rule params: a changed drafter reruns the stages that read it.
+
+    Returns:
+        None without a warm start (``drafter_path`` None).
+
+    Raises:
+        InputError: ``drafter_path`` is not a drafter directory (no ``config.json``).
+    """
+    if drafter_path is None:
+        return None
+    if not Path(drafter_path, "config.json").is_file():
+        raise InputError(f"{drafter_path} is not a drafter directory (no config.json)")
+    return quick_identity(drafter_path)
+
+
 def quick_identity(path: str | os.PathLike) -> str:
     """A content identity of a model directory cheap enough to compute at every DAG build.
 

@@ -1,0 +1,213 @@
+"""The resumable per-shard job: one runner for generation and extraction.
+
+A per-shard job (generate_traces, extract_hidden_states) makes one output from one input shard,
+in chunks of a fixed size that survive a killed job (:mod:`eagle3_pipeline.resume`), on one or
+more engine replicas (:mod:`eagle3_pipeline.parallel`). Its lifecycle is the same for both
+stages and lives here, in :func:`run_shard_job`:
+
+1. take the host-wide full-model lock (:func:`eagle3_pipeline.hygiene.host_lock`);
+2. keep the output that another job of this shard finished while this one waited
+   (:func:`eagle3_pipeline.resume.finished_by_another_job`);
+3. end the engine processes a killed earlier job of the run left, then open the chunk store;
+4. take back the output this shard's job finished after its snakemake ended, when the stage
+   keeps finished outputs (:meth:`eagle3_pipeline.resume.ChunkStore.take_finished`);
+5. prepare the store (extraction preallocates its partial shard) and count the chunks to do;
+6. check that the GPUs are free and run the replicas on those chunks;
+7. check that every chunk is done, assemble the output, write the record (summary or index) last;
+8. remove the store, or keep it for the rerun when this job's snakemake has ended
+   (:meth:`eagle3_pipeline.resume.ChunkStore.finish`).
+
+A stage says only what a chunk is (its replica worker and the worker's job dict), how to prepare
+the store and how to assemble the output: a :class:`ShardJob`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .hygiene import check_gpus_free, cleanup_stale_processes, host_lock
+from .io import InputError, checked_sha256, read_json, write_json_atomic
+from .layout import pids_of
+from .parallel import replica_stats, run_replicas
+from .resume import ChunkStore, ancestors, chunk_ranges, finished_by_another_job, todo_chunks
+from .runtime import Timer, peak_memory
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ShardRun:
+    """What :func:`run_shard_job` hands a job's ``assemble``, once every chunk is done.
+
+    Attributes:
+        store: the job's chunk store, every chunk in it.
+        ranges: ``(start, end)`` item indices of each chunk (:func:`eagle3_pipeline.resume.chunk_ranges`).
+        todo: the chunks this run did; the others were kept from an earlier, killed run.
+        worker_job: the job dict the replicas were given (the stage's, with ``ranges``, ``todo``
+            and what ``prepare`` added).
+        stats: the replicas' timings combined (:func:`eagle3_pipeline.parallel.replica_stats`;
+            empty when no replica ran).
+        wall_seconds: from the replicas' start to their end; 0.0 when no chunk was left to do.
+    """
+
+    store: ChunkStore
+    ranges: list[tuple[int, int]]
+    todo: list[int]
+    worker_job: dict
+    stats: dict
+    wall_seconds: float
+
+
+@dataclass
+class ShardJob:
+    """One resumable per-shard job, as :func:`run_shard_job` runs it.
+
+    Attributes:
+        outputs: the job's outputs but its record; the first is the main one, beside which the
+            chunk store lives (``.<name>.partial/``) and from which the run's process records
+            folder is found (:func:`eagle3_pipeline.layout.pids_of`). A shard counts as finished by
+            another job when all of them and the record exist.
+        record: the JSON the job writes last (a summary or an index); it names ``fingerprint``.
+        fingerprint: identity (hex digest) of the job's inputs and of the settings that change
+            its result; chunks and records of another fingerprint are not this job's.
+        chunk_suffix: the suffix of the chunk files (``.jsonl``; ``.done`` for done markers).
+        num_items: records (prompts, samples) of the shard, split in chunks in their order.
+        chunk_size: items per chunk (part of ``fingerprint``: it defines the chunks).
+        worker: ``worker(worker_job, rank, chunks)``, one replica: does the chunks it takes from
+            the iterator ``chunks``, writes each into the store (:meth:`ChunkStore.writing`) and
+            its timings to ``replica-<rank>.json`` there. A module-level function: replicas of a
+            data-parallel job are spawned processes.
+        worker_job: the worker's job dict (picklable); the runner adds ``ranges`` and ``todo``.
+        assemble: ``assemble(ShardRun) -> dict``: writes the outputs from the finished chunks and
+            returns the record's stage-specific fields; the runner adds the chunk counts, the
+            replicas' layout and timings, peak memory and ``fingerprint``, and writes the record.
+        prepare: ``prepare(store) -> dict`` once the store is open, before chunks are counted (it
+            may drop chunks that no longer apply); its result is added to ``worker_job``.
+        replicas: data-parallel replicas (D).
+        gpus_per_replica: GPUs of one replica (tensor × pipeline parallel size).
+        replicas_per_gpu: replicas that share one GPU.
+        keep_finished: when this job's snakemake ends while it runs, keep its finished outputs and
+            record (hard links) for the rerun, which takes them back; the record must then name the
+            main output's bytes as ``sha256`` and ``stat`` (checked before they are taken back).
+            False keeps the chunks alone, which the rerun assembles again without an engine.
+    """
+
+    outputs: Sequence[str]
+    record: str
+    fingerprint: str
+    chunk_suffix: str
+    num_items: int
+    chunk_size: int
+    worker: Callable[[dict, int, Iterator[int]], None]
+    worker_job: dict
+    assemble: Callable[[ShardRun], dict]
+    prepare: Callable[[ChunkStore], dict] | None = None
+    replicas: int = 1
+    gpus_per_replica: int = 1
+    replicas_per_gpu: int = 1
+    keep_finished: bool = False
+
+    def open_store(self) -> ChunkStore:
+        """The job's chunk store (:class:`eagle3_pipeline.resume.ChunkStore`): opening it discards
+        chunks of another fingerprint and temporary files of a killed writer."""
+        return ChunkStore(self.outputs[0], self.fingerprint, self.chunk_suffix)
+
+
+def run_shard_job(job: ShardJob, *, host_lock_enabled: bool = True) -> dict:
+    """Run one resumable per-shard job: do the chunks still to do, assemble, write the record.
+
+    A killed job's rerun does only the chunks it had not finished, and the output equals an
+    uninterrupted run's (the stage assembles in chunk order). Replicas run only when chunks
+    remain; with none left (every chunk kept) the output is assembled without an engine.
+
+    Args:
+        job: what the stage's chunks are and how its output is assembled (:class:`ShardJob`).
+        host_lock_enabled: hold the host-wide full-model lock while counting chunks and running
+            the replicas (off on a cluster, where each job owns its GPUs).
+
+    Returns:
+        the record written to ``job.record``; or the record of the output another job of this
+        shard finished (while this one waited for the lock, or after its snakemake ended), which
+        is kept and not made again.
+
+    Raises:
+        RuntimeError: a replica failed, or a chunk is not done after the replicas ended (finished
+            chunks are kept: a rerun resumes); or other GPU processes hold the GPUs
+            (:func:`eagle3_pipeline.hygiene.check_gpus_free`).
+        ValueError: fewer GPUs visible than the replicas need (:func:`eagle3_pipeline.parallel.run_replicas`).
+        Whatever ``job.prepare`` or ``job.assemble`` raise (e.g. ``InputError``: nothing usable).
+    """
+    main = job.outputs[0]
+    parents = ancestors()  # this job's snakemake (and any shell between): ChunkStore.finish
+    with host_lock(enabled=host_lock_enabled):
+        # Chunks are counted only once the lock is ours: the job of an earlier snakemake that
+        # was killed alone lives on, holds the lock, and may finish this shard and remove its
+        # chunks while this job waits.
+        done = finished_by_another_job(job.record, job.outputs, job.fingerprint)
+        if done is not None:
+            job.open_store().remove()  # what that job kept for a rerun (chunks, or links to its outputs)
+            return done
+        # engines of a killed earlier job may still be writing into the store (extraction's
+        # engines write states into the partial shard): end them before it is opened and its done
+        # chunks are counted (and before the GPU check below)
+        cleanup_stale_processes(pids_of(main))
+        store = job.open_store()
+        if job.keep_finished:
+            kept = _take_back(job, store)
+            if kept is not None:
+                return kept
+            store = job.open_store()  # removed when what was kept was altered
+        for old in store.dir.glob("replica-*.json"):  # timings of an earlier run's replicas
+            old.unlink()
+        worker_job = {**job.worker_job, **(job.prepare(store) if job.prepare is not None else {})}
+        ranges = chunk_ranges(job.num_items, job.chunk_size)
+        todo = todo_chunks(store, ranges)
+        worker_job |= {"ranges": ranges, "todo": todo}
+        wall = Timer()
+        if todo:
+            check_gpus_free()
+            run_replicas(functools.partial(job.worker, worker_job), todo, job.replicas, job.gpus_per_replica, job.replicas_per_gpu)
+        wall_s = wall.seconds if todo else 0.0
+        missing = sorted(set(range(len(ranges))) - set(store.finished()))
+        if missing:
+            raise RuntimeError(f"{main}: chunk(s) {missing[:5]} were not done; rerun the job to resume")
+        stats = replica_stats(store.dir)
+        record = job.assemble(ShardRun(store, ranges, todo, worker_job, stats, wall_s))
+        record |= {
+            "chunks": len(ranges),
+            "chunks_resumed": len(ranges) - len(todo),
+            "data_parallel_size": job.replicas,
+            "replicas_per_gpu": job.replicas_per_gpu,
+            "model_load_seconds": round(stats.get("model_load_seconds", 0.0), 3),
+            "replicas": stats.get("replicas", []),
+        }
+        record |= peak_memory() | {"fingerprint": job.fingerprint}
+        write_json_atomic(job.record, record)
+        # when snakemake ended meanwhile: the finished outputs kept for its rerun, or (keep_finished
+        # False) every chunk, which the rerun assembles again without an engine
+        store.finish([*job.outputs, job.record] if job.keep_finished else [], parents)
+    return record
+
+
+def _take_back(job: ShardJob, store: ChunkStore) -> dict | None:
+    """The record of the outputs this shard's job finished after its snakemake ended, put back in
+    place (:meth:`ChunkStore.take_finished`) when the main output's bytes are the ones it recorded;
+    None when there are none, or they were altered (then they and the store are removed)."""
+    finished = [*job.outputs, job.record]
+    if not store.take_finished(finished):
+        return None
+    record = read_json(job.record)
+    try:  # the bytes its job recorded (hard links: unchanged unless altered since)
+        checked_sha256(job.outputs[0], record.get("sha256"), record.get("stat"), job.record)
+    except InputError as e:
+        logger.warning("not taking back the kept output: %s", e)
+        for p in finished:
+            Path(p).unlink(missing_ok=True)
+        store.remove()
+        return None
+    store.remove()
+    return record
