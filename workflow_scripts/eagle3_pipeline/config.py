@@ -246,7 +246,8 @@ def schema_reference(schema: dict | None = None) -> str:
     """config/README.md: every key of ``config/schema.yaml`` (default: the project's) as Markdown.
 
     One table per top-level section, one row per key (nested objects flattened to
-    ``section.key.sub``): type, default (JSON), whether it changes results (``x-result``), and
+    ``section.key.sub``, an array's object items to ``section.key[].sub``): type, default (JSON;
+    blank where the schema sets none), whether it changes results (``x-result``), and
     the schema's description. tests/test_config.py keeps config/README.md equal to this;
     ``make config-docs`` rewrites it.
     """
@@ -270,16 +271,19 @@ def schema_reference(schema: dict | None = None) -> str:
             kind = " or ".join(kind) if isinstance(kind, list) else kind
             if "enum" in sub:
                 kind += ": " + ", ".join(json.dumps(v) for v in sub["enum"])
-            default = json.dumps(sub["default"]) if "default" in sub else ""
+            default = f"`{_markdown_cell(json.dumps(sub['default']))}`" if "default" in sub else ""
             result = "no" if sub.get("x-result") is False else "yes"
+            items = sub.get("items", {})
             if sub.get("type") == "object" and "properties" in sub:
-                lines.append(f"| `{key}` | object | | {result} | {_markdown_cell(sub.get('description', ''))} |")
+                # an object's own default ({} = each key's) only when it names keys
+                default = default if sub.get("default") else ""
+                lines.append(f"| `{key}` | object | {default} | {result} | {_markdown_cell(sub.get('description', ''))} |")
                 lines += rows(sub["properties"], key + ".")
+            elif sub.get("type") == "array" and "properties" in items:
+                lines.append(f"| `{key}` | array of objects | {default} | {result} | {_markdown_cell(sub.get('description', ''))} |")
+                lines += rows(items["properties"], key + "[].")
             else:
-                lines.append(
-                    f"| `{key}` | {_markdown_cell(kind)} | `{_markdown_cell(default)}` | {result} | "
-                    f"{_markdown_cell(sub.get('description', ''))} |"
-                )
+                lines.append(f"| `{key}` | {_markdown_cell(kind)} | {default} | {result} | {_markdown_cell(sub.get('description', ''))} |")
         return lines
 
     sections = {k: v for k, v in schema["properties"].items() if "properties" in v}
