@@ -32,8 +32,19 @@ def _with_defaults(validator_class):
 
 
 def load_schema(path: str | os.PathLike = SCHEMA_PATH) -> dict:
+    """The JSON schema at ``path`` (config/schema.yaml by default) as a dict the caller may change.
+
+    Parsed once per file version (path, size, mtime) with libyaml's safe loader where PyYAML has
+    it: the workflow reads the schema several times while Snakemake parses the rules.
+    """
+    st = os.stat(path)
+    return copy.deepcopy(_parsed_yaml(str(path), st.st_size, st.st_mtime_ns))
+
+
+@functools.cache
+def _parsed_yaml(path: str, _size: int, _mtime_ns: int) -> dict:
     with open(path, encoding="utf-8") as f:
-        return yaml.safe_load(f)
+        return yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
 def check_against_target(config: dict, num_hidden_layers: int, vocab_size: int) -> None:
