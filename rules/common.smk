@@ -144,5 +144,6 @@ def get_lineage_outputs(wildcards):
 # settings that depend on the target's shape (the run's and each variant's), before any job runs
 with workflow_errors("target.path"):
     _shape = target_model.configured_target_shape(config["target"]["path"])
+    _model_type = target_model.configured_target_model_type(config["target"]["path"])
 with workflow_errors():
-    settings.check_run_against_target(config, VARIANTS, *_shape)
+    settings.check_run_against_target(config, VARIANTS, *_shape, _model_type)

@@ -40,6 +40,44 @@ def test_the_config_check_names_a_drafter_layer_that_is_not_extracted():
         check_against_target(validate_config({"extraction": {"aux_layer_ids": [15, 2, 27]}}), 30, 49152)
 
 
+def test_aux_id_0_is_refused_at_the_start_for_deepseek_family_targets_only():
+    """vLLM's DeepSeek-V2/V3 (and Kimi-K2) class cannot capture layer 0's input: a config asking it is an error
+    naming the key before any job runs; Llama's capture takes it, and the hf backend may store it when the
+    drafter, which vLLM evaluates, leaves it out."""
+    with_0 = {"aux_layer_ids": [0, 15, 27]}
+    vllm = validate_config({"extraction": {"backend": "vllm", **with_0}})
+    with pytest.raises(ConfigError) as e:
+        check_against_target(vllm, 61, 163840, "deepseek_v3")
+    msg = str(e.value)
+    assert "extraction.aux_layer_ids: aux layer id 0 (in [0, 15, 27]) cannot be captured by vLLM's deepseek_v3" in msg
+    assert "training.aux_layer_ids: the drafter's aux layer id 0" in msg and "ids of 1 or more" in msg
+    hf = validate_config({"extraction": {"backend": "hf", **with_0}})
+    with pytest.raises(
+        ConfigError, match=r"^invalid configuration for this target:\n  training.aux_layer_ids: the drafter's aux layer id 0"
+    ):
+        check_against_target(hf, 61, 163840, "kimi_k2")
+    check_against_target(validate_config({"extraction": with_0, "training": {"aux_layer_ids": [15, 27]}}), 61, 163840, "deepseek_v3")
+    check_against_target(vllm, 30, 49152, "llama")
+    check_against_target(vllm, 30, 49152)  # model type not known: nothing to check
+    check_against_target(validate_config({"extraction": {"backend": "vllm"}}), 61, 163840, "deepseek_v3")  # [2, 30, 58]
+
+
+def test_the_model_type_is_read_from_the_language_model_config(tmp_path):
+    from eagle3_pipeline.target_model import BUILTIN_TARGET, configured_target_model_type
+
+    assert configured_target_model_type(BUILTIN_TARGET) == "llama"
+    for name, cfg in {
+        "kimi": {"model_type": "kimi_k25", "text_config": {"model_type": "kimi_k2"}},
+        "dsv3": {"model_type": "deepseek_v3"},
+    }.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+        (tmp_path / name / "model.safetensors").write_bytes(b"")  # what a target directory must hold
+        (tmp_path / name / "chat_template.jinja").write_text("{{ messages }}")
+    assert configured_target_model_type(str(tmp_path / "kimi")) == "kimi_k2"
+    assert configured_target_model_type(str(tmp_path / "dsv3")) == "deepseek_v3"
+
+
 def _superset_shard(d, num_samples=12):
     """A shard of random SmolLM2-shaped states at layers STORED + [30], and a 512-token draft vocab."""
     rng = np.random.default_rng(1)

@@ -233,3 +233,20 @@ def test_the_configured_target_directory_identity_and_shape(tmp_path):
         init_drafter_identity(str(drafter))
     (drafter / "config.json").write_text("{}")
     assert init_drafter_identity(str(drafter)) == quick_identity(drafter)
+
+
+def test_command_line_strings_become_the_schema_types_in_lists_too():
+    """`--config` hands every nested scalar over as a string, list items included."""
+    cfg = validate_config(
+        {
+            "extraction": {"aux_layer_ids": ["1", "15", "27"], "data_parallel_size": "2"},
+            "vllm": {"enforce_eager": "false"},
+            "training": {"lr": "1e-4"},
+            "prompts": {"sources": [{"type": "builtin_sharegpt"}]},
+        }
+    )
+    assert cfg["extraction"]["aux_layer_ids"] == [1, 15, 27] and cfg["extraction"]["data_parallel_size"] == 2
+    assert cfg["vllm"]["enforce_eager"] is False and cfg["training"]["lr"] == 1e-4
+    assert cfg["prompts"]["sources"] == [{"type": "builtin_sharegpt"}]
+    with pytest.raises(ConfigError, match=r"extraction.aux_layer_ids.1: 'x' is not of type 'integer'"):
+        validate_config({"extraction": {"aux_layer_ids": ["1", "x", "27"]}})

@@ -47,15 +47,23 @@ def _parsed_yaml(path: str, _size: int, _mtime_ns: int) -> dict:
         return yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
-def check_against_target(config: dict, num_hidden_layers: int, vocab_size: int) -> None:
+def check_against_target(config: dict, num_hidden_layers: int, vocab_size: int, model_type: str | None = None) -> None:
     """Check the settings that depend on the target's shape, before any job runs.
+
+    Args:
+        config: a validated config.
+        num_hidden_layers, vocab_size: the target's shape.
+        model_type: the target language model's ``model_type`` (None: not known), for the aux
+            layer ids vLLM cannot capture for that family (:func:`eagle3_pipeline.conventions.vllm_aux_id_problem`).
 
     Raises:
         ConfigError: ``vocab.draft_vocab_size`` exceeds the target vocabulary,
             ``extraction.aux_layer_ids`` are out of range for the target's layers or not
-            ascending, or ``training.aux_layer_ids`` are not among them.
+            ascending, ``training.aux_layer_ids`` are not among them, or vLLM cannot capture
+            the ids for this family (extraction's with the ``vllm`` backend, the drafter's always:
+            evaluation drafts in vLLM).
     """
-    from .conventions import drafter_aux_columns, resolve_layer_ids
+    from .conventions import drafter_aux_columns, resolve_layer_ids, vllm_aux_id_problem
 
     problems = []
     n = config["vocab"]["draft_vocab_size"]
@@ -66,30 +74,38 @@ def check_against_target(config: dict, num_hidden_layers: int, vocab_size: int) 
     except ValueError as e:
         problems.append(f"  extraction.aux_layer_ids: {e}")
     else:
+        if config["extraction"]["backend"] == "vllm" and (why := vllm_aux_id_problem(model_type, stored)):
+            problems.append(f"  extraction.aux_layer_ids: {why} (or extraction.backend: hf, and training.aux_layer_ids without 0)")
         try:
-            drafter_aux_columns(config["training"]["aux_layer_ids"], stored)
+            drafter, _ = drafter_aux_columns(config["training"]["aux_layer_ids"], stored)
         except ValueError as e:
             problems.append(f"  training.aux_layer_ids: {e}")
+        else:
+            if why := vllm_aux_id_problem(model_type, drafter):
+                problems.append(f"  training.aux_layer_ids: the drafter's {why}: vLLM could not evaluate or serve it")
     if problems:
         raise ConfigError("invalid configuration for this target:\n" + "\n".join(problems))
 
 
-def check_run_against_target(config: dict, variants: dict[str, dict], num_hidden_layers: int, vocab_size: int) -> None:
+def check_run_against_target(
+    config: dict, variants: dict[str, dict], num_hidden_layers: int, vocab_size: int, model_type: str | None = None
+) -> None:
     """:func:`check_against_target` for the run's settings and each sweep variant's, before any job runs.
 
     Args:
         config: the run's validated config.
         variants: each variant's full config (:func:`eagle3_pipeline.sweep.variant_configs`).
         num_hidden_layers, vocab_size: the target's shape.
+        model_type: the target language model's ``model_type`` (:func:`check_against_target`).
 
     Raises:
         ConfigError: the first settings that do not fit the target, a variant's prefixed with
             ``sweep.variants.<name>:``.
     """
-    check_against_target(config, num_hidden_layers, vocab_size)
+    check_against_target(config, num_hidden_layers, vocab_size, model_type)
     for name, cfg in variants.items():
         try:
-            check_against_target(cfg, num_hidden_layers, vocab_size)
+            check_against_target(cfg, num_hidden_layers, vocab_size, model_type)
         except ConfigError as e:
             raise ConfigError(f"sweep.variants.{name}: {e}") from None
 
@@ -113,31 +129,39 @@ def coerce_cli_strings(cfg: dict, schema: dict) -> None:
 
     Snakemake reads a mapping given on the command line or in a profile's ``config:``
     (``--config "vllm={data_parallel_size: 2}"``) with YAML's base loader, so every nested
-    scalar arrives as a string. A string is parsed as YAML only where the schema does not
-    allow a string there; what does not parse to an allowed type is left for validation to
-    report.
+    scalar arrives as a string, list items too (``extraction={aux_layer_ids: [1, 15, 27]}``). A
+    string is parsed as YAML only where the schema does not allow a string there; what does not
+    parse to an allowed type is left for validation to report.
     """
     props = schema.get("properties", {})
     for key, value in list(cfg.items()):
         sub = props.get(key)
-        if not isinstance(sub, dict):
-            continue
-        if isinstance(value, dict):
-            coerce_cli_strings(value, sub)
-            continue
-        types = sub.get("type", [])
-        types = [types] if isinstance(types, str) else types
-        if isinstance(value, str) and types and "string" not in types:
-            try:
-                parsed = yaml.safe_load(value)
-            except yaml.YAMLError:
-                continue
-            if isinstance(parsed, str) and "number" in types:  # YAML 1.1 reads "1e-4" as a string
-                with contextlib.suppress(ValueError):
-                    parsed = float(parsed)
-            py = {"integer": int, "number": (int, float), "boolean": bool, "null": type(None), "array": list, "object": dict}
-            if any(isinstance(parsed, py[t]) and not (t in ("integer", "number") and isinstance(parsed, bool)) for t in types if t in py):
-                cfg[key] = parsed
+        if isinstance(sub, dict):
+            cfg[key] = _coerced(value, sub)
+
+
+def _coerced(value, sub: dict):
+    """``value`` with its strings turned into ``sub``'s non-string types (:func:`coerce_cli_strings`)."""
+    if isinstance(value, dict):
+        coerce_cli_strings(value, sub)
+        return value
+    if isinstance(value, list) and isinstance(sub.get("items"), dict):
+        return [_coerced(v, sub["items"]) for v in value]
+    types = sub.get("type", [])
+    types = [types] if isinstance(types, str) else types
+    if not (isinstance(value, str) and types and "string" not in types):
+        return value
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError:
+        return value
+    if isinstance(parsed, str) and "number" in types:  # YAML 1.1 reads "1e-4" as a string
+        with contextlib.suppress(ValueError):
+            parsed = float(parsed)
+    py = {"integer": int, "number": (int, float), "boolean": bool, "null": type(None), "array": list, "object": dict}
+    if any(isinstance(parsed, py[t]) and not (t in ("integer", "number") and isinstance(parsed, bool)) for t in types if t in py):
+        return _coerced(parsed, sub) if isinstance(parsed, list | dict) else parsed
+    return value
 
 
 @functools.cache

