@@ -126,6 +126,12 @@ FAMILY_SHAPES = {"qwen3": (151936, 128), "qwen3_moe": (151936, 128), "deepseek_v
 PROMPT_STARTS = {"qwen3": "<|im_start|>user\n", "qwen3_moe": "<|im_start|>user\n", "deepseek_v3": "<｜begin▁of▁sentence｜><｜User｜>"}
 
 
+#: the families whose whole workflow run is in `make test` (about 2 minutes each on 2 cores): Qwen3
+#: dense shares Qwen3-MoE's tokenizer, template and attention and is run on request
+#: (EAGLE3_ALL_FAMILIES=1); its layer-id convention is checked by both backends below either way
+WORKFLOW_FAMILIES = FAMILIES if os.environ.get("EAGLE3_ALL_FAMILIES") == "1" else ["qwen3_moe", "deepseek_v3"]
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_target(request, tmp_path_factory) -> tuple[str, Path]:
     return request.param, stand_in(request.param, tmp_path_factory.mktemp(request.param) / "stand-in")
@@ -134,6 +140,8 @@ def family_target(request, tmp_path_factory) -> tuple[str, Path]:
 @pytest.mark.e2e
 def test_each_family_runs_every_stage_to_a_drafter_vllm_serves(tmp_path, family_target):
     family, target = family_target
+    if family not in WORKFLOW_FAMILIES:
+        pytest.skip(f"{family}'s workflow run is left to EAGLE3_ALL_FAMILIES=1 (the suite's time budget)")
     config = SMALL | {
         "run": family,
         "target": {"path": str(target)},

@@ -39,9 +39,13 @@ def test_replicas_per_gpu_share_each_gpu_in_turn():
         replica_devices(2, 2, ["0", "1", "2", "3"], 2)
 
 
-def _record_engine_start(out_dir: str, rank: int, items) -> None:
+def _record_engine_start(out_dir: str, engines: int, rank: int, items) -> None:
     """A worker that 'starts an engine' inside engine_turn and records when, with what share, and
-    whether, while in its turn, it saw an engine of another GPU in its turn too (waiting up to 20 s)."""
+    whether, while in its turn, it saw an engine of another GPU in its turn too (waiting up to 20 s).
+
+    It takes its further items only once ``engines`` replicas have had their turn (up to 60 s): a
+    replica takes its first item before its engine starts, and one slow to spawn would otherwise
+    find every item taken by the others and start none (``parallel.replica_items``)."""
     import time
 
     from eagle3_pipeline.parallel import engine_turn, memory_share
@@ -55,13 +59,17 @@ def _record_engine_start(out_dir: str, rank: int, items) -> None:
             time.sleep(0.05)
         time.sleep(0.3)
         t1 = time.monotonic()
+    deadline = time.monotonic() + 60
+    while len(list(Path(out_dir).glob("turn-*"))) < engines and time.monotonic() < deadline:
+        time.sleep(0.05)
     rec = {"start": t0, "end": t1, "share": memory_share(0.9), "gpu": gpu, "met_other_gpu": met, "items": list(items)}
     Path(out_dir, f"rank-{rank}.json").write_text(json.dumps(rec))
 
 
 def _engine_starts(tmp_path, monkeypatch, visible: str, items: int, replicas: int, per_gpu: int) -> list[dict]:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)  # the replicas do not touch CUDA
-    run_replicas(functools.partial(_record_engine_start, str(tmp_path)), list(range(items)), replicas, 1, per_gpu)
+    engines = min(items, replicas)  # every replica that can get an item starts an engine
+    run_replicas(functools.partial(_record_engine_start, str(tmp_path), engines), list(range(items)), replicas, 1, per_gpu)
     recs = sorted((json.loads(p.read_text()) for p in tmp_path.glob("rank-*.json")), key=lambda r: r["start"])
     assert sorted(i for r in recs for i in r["items"]) == list(range(items))
     return recs
@@ -98,8 +106,8 @@ def test_fewer_chunks_than_replicas_use_every_gpu_before_sharing_one(tmp_path, m
     for p in [*tmp_path.glob("rank-*.json"), *tmp_path.glob("turn-*")]:
         p.unlink()
     recs = _engine_starts(tmp_path, monkeypatch, "0,1", 3, 4, 2)
-    # three replicas are placed (two share GPU 0); one that finds the chunks taken starts no engine
-    assert {r["gpu"] for r in recs} <= {"0", "1"} and len(recs) in (2, 3)
+    # three replicas are placed (two share GPU 0), each with a chunk; the fourth finds none and starts no engine
+    assert sorted(r["gpu"] for r in recs) == ["0", "0", "1"]
     assert all(r["share"] == (0.45 if r["gpu"] == "0" else 0.9) for r in recs)
 
 
