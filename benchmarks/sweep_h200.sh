@@ -5,7 +5,8 @@
 # traces and hidden states first; then the run's drafter and the variants' train side by side,
 # PARALLEL at a time on the one GPU (a 135M target's drafter leaves most of an H200 idle), with
 # the host lock off for this one invocation; then Snakemake's own order evaluates every drafter,
-# one engine at a time, and writes results/gap-h200/sweep.json. Last, with what time is left,
+# one engine at a time, and writes results/gap-h200/sweep.json (and OUT/sweep_h200_rows.tgz, each
+# drafter's acceptance and training record, should the table not be reached). Last, with what time is left,
 # benchmarks/drafter_gap.py's ROWS for the run's drafter. Run from the checkout after
 # envs/gpu-host-setup.sh:
 #   DEADLINE=1200 VARIANTS="sched_linear loops_drop" OUT=benchmarks/results bash benchmarks/sweep_h200.sh
@@ -17,7 +18,7 @@ VARIANTS=${VARIANTS:-}
 ROWS=${ROWS:-vllm/batch-invariant vllm/one-at-a-time tensors}
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 SM=${SM:-.venv/bin/snakemake}
-mkdir -p "$OUT" results
+mkdir -p "$OUT" results && OUT=$(cd "$OUT" && pwd)
 SUB=results/.sweep-h200-variants.yaml
 NOLOCK=results/.sweep-h200-nolock.yaml
 VARIANTS="$VARIANTS" .venv/bin/python - "$SUB" <<'PY'
@@ -37,12 +38,13 @@ TRAINED=$(.venv/bin/python -c "
 import sys, yaml
 print(' '.join(['results/gap-h200/train/summary.json'] + [f'results/gap-h200/sweep/{n}/train/summary.json' for n in yaml.safe_load(open(sys.argv[1]))['sweep']['variants']]))" "$SUB")
 date -u +"traces, states and $PARALLEL trainings at a time %T"
-timeout $((DEADLINE * 2 / 3)) $SM --cores 64 --resources gpu="$PARALLEL" full_model=8 --keep-going \
+timeout $((DEADLINE - 360)) $SM --cores 64 --resources gpu="$PARALLEL" full_model=8 --keep-going \
   --configfile $C "$NOLOCK" -- $TRAINED results/gap-h200/eval/prompts.jsonl > "$OUT/sweep_h200.train.log" 2>&1
 date -u +"evaluations %T ($SECONDS s)"
 timeout $((DEADLINE - SECONDS - 60)) $SM --cores 16 --keep-going --configfile $C -- results/gap-h200/sweep.json \
   > "$OUT/sweep_h200.eval.log" 2>&1
 cp results/gap-h200/sweep.json results/gap-h200/sweep.md "$OUT/" 2>/dev/null
+(cd results/gap-h200 && tar czf "$OUT/sweep_h200_rows.tgz" --ignore-failed-read $(ls -d {,sweep/*/}{eval/acceptance.json,train/summary.json,train/metrics.jsonl} 2>/dev/null))
 for d in results/gap-h200/train results/gap-h200/sweep/*/train; do  # training cost side by side
   [ -f "$d/summary.json" ] && .venv/bin/python -c "import json, sys; s = json.load(open(sys.argv[1])); \
 print(sys.argv[1], s['total_seconds'], s['steps'], s['peak_gpu_allocated_bytes'])" "$d/summary.json"
