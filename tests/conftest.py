@@ -1,6 +1,7 @@
 """Shared fixtures: the real embedded target, materialized once per test session, and one local
 end-to-end run of the reduced config (test_e2e.py checks it, test_slurm.py compares with it)."""
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -42,6 +43,31 @@ def e2e_run(tmp_path_factory):
     return wd, cfg, wd / "results" / "e2e"
 
 
+@pytest.fixture(scope="session")
+def one_engine_traces(tmp_path_factory, target_dir):
+    """Greedy traces of 6 ShareGPT first turns (12 tokens each) from one vLLM engine, in 3 chunks
+    of 2 prompts: the reference that data-parallel and killed-and-resumed generation must equal
+    (test_parallel.py, test_resume.py). (prompts file, the stage's params, chunk_prompts, traces)."""
+    from types import SimpleNamespace
+
+    from eagle3_pipeline.config import validate_config
+    from eagle3_pipeline.generation import run_generation_shard
+    from eagle3_pipeline.io import read_jsonl
+    from eagle3_pipeline.prompts import build_prompt_set
+
+    d = tmp_path_factory.mktemp("one-engine")
+    records = build_prompt_set([{"type": "builtin_sharegpt"}], turns="first", max_prompts=6).records
+    prompts = d / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = validate_config({"generation": {"max_tokens": 12, "temperature": 0.0}, "vllm": {"cpu_kvcache_space_gib": 1}})
+    params = {"generation": cfg["generation"], "vllm": cfg["vllm"], "seed": 0, "max_seq_len": 2048, "trust_remote_code": False}
+    out = {k: str(d / f"{k}.jsonl") for k in ("traces", "rejects", "summary")}
+    run_generation_shard(str(prompts), out, str(target_dir), params, chunk_prompts=2)
+    traces = list(read_jsonl(out["traces"]))
+    assert [t["id"] for t in traces] == sorted(r["id"] for r in records)
+    return SimpleNamespace(prompts=prompts, params=params, chunk_prompts=2, traces=traces)
+
+
 def pytest_collection_modifyitems(config, items):
     """Test tiers by what a test uses, marked or not: the end-to-end run makes an ``e2e`` test, the real
     target (``target_dir``, and every fixture built on it: ``tokenizer``, ...) a ``model`` test. The rest
@@ -52,3 +78,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.e2e)
         if "target_dir" in names:
             item.add_marker(pytest.mark.model)
+
+
+def pytest_collection_finish(session):
+    """Start the SLURM test's workflow run now, in the background, when a SLURM test was collected
+    and the local cluster is up: its waiting on sbatch and status checks overlaps the other tests
+    (slurm_support)."""
+    if any(item.get_closest_marker("slurm") for item in session.items):
+        import slurm_support
+
+        slurm_support.start_in_background()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import slurm_support
+
+    slurm_support.stop_background()

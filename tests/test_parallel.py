@@ -285,34 +285,22 @@ def test_too_few_packs_for_the_processes_is_a_clear_error(train_inputs, target_d
 
 
 @pytest.mark.e2e
-def test_data_parallel_generation_equals_one_engine(tmp_path, target_dir):
+def test_data_parallel_generation_equals_one_engine(tmp_path, target_dir, one_engine_traces):
     """Two vLLM engine replicas (CPU, started in turn) sharing the chunks write the traces one engine writes (greedy)."""
     from eagle3_pipeline.generation import run_generation_shard
     from eagle3_pipeline.io import read_jsonl
-    from eagle3_pipeline.prompts import build_prompt_set
 
-    records = build_prompt_set([{"type": "builtin_sharegpt"}], turns="first", max_prompts=6).records
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
-    cfg = validate_config({"generation": {"max_tokens": 12, "temperature": 0.0}, "vllm": {"cpu_kvcache_space_gib": 1}})
-    traces = {}
-    for dp in (1, 2):
-        out = {k: str(tmp_path / f"dp{dp}.{k}.jsonl") for k in ("traces", "rejects", "summary")}
-        params = {
-            "generation": cfg["generation"],
-            # the two replicas also share "a GPU" (replicas_per_gpu): their engines start one at a time
-            "vllm": {**cfg["vllm"], "data_parallel_size": dp, "replicas_per_gpu": dp},
-            "seed": 0,
-            "max_seq_len": 2048,
-            "trust_remote_code": False,
-        }
-        summary = run_generation_shard(str(prompts), out, str(target_dir), params, chunk_prompts=3)
-        assert summary["data_parallel_size"] == summary["replicas_per_gpu"] == dp and len(summary["replicas"]) == dp
-        traces[dp] = list(read_jsonl(out["traces"]))
-    # the replicas share the chunks through a queue: together they did both, whoever took which
-    assert sum(r["chunks"] for r in summary["replicas"]) == 2
-    assert [t["id"] for t in traces[1]] == [t["id"] for t in traces[2]] == sorted(r["id"] for r in records)
-    for a, b in zip(traces[1], traces[2], strict=True):
+    ref = one_engine_traces
+    out = {k: str(tmp_path / f"dp2.{k}.jsonl") for k in ("traces", "rejects", "summary")}
+    # the two replicas also share "a GPU" (replicas_per_gpu): their engines start one at a time
+    params = ref.params | {"vllm": ref.params["vllm"] | {"data_parallel_size": 2, "replicas_per_gpu": 2}}
+    summary = run_generation_shard(str(ref.prompts), out, str(target_dir), params, chunk_prompts=ref.chunk_prompts)
+    assert summary["data_parallel_size"] == summary["replicas_per_gpu"] == 2 and len(summary["replicas"]) == 2
+    # the replicas share the chunks through a queue: together they did all three, whoever took which
+    assert sum(r["chunks"] for r in summary["replicas"]) == 3
+    got = list(read_jsonl(out["traces"]))
+    assert [t["id"] for t in got] == [t["id"] for t in ref.traces]
+    for a, b in zip(ref.traces, got, strict=True):
         assert a["completion_token_ids"] == b["completion_token_ids"] and len(a["completion_token_ids"]) > 0
 
 

@@ -119,28 +119,18 @@ def test_a_shard_finished_by_a_job_that_outlived_its_snakemake_is_kept(tmp_path,
 
 
 @pytest.mark.e2e
-def test_killed_generation_resumes_to_identical_traces(tmp_path, target_dir):
-    prompts = tmp_path / "prompts.jsonl"
-    recs = [
-        {"id": f"{i:016x}", "source": f"t:{i}", "messages": [{"role": "user", "content": f"Name a famous person called number {i}."}]}
-        for i in range(5)
-    ]
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    cfg = validate_config({"generation": {"max_tokens": 12}, "vllm": {"cpu_kvcache_space_gib": 1}})
-    params = {"generation": cfg["generation"], "vllm": cfg["vllm"], "seed": 0, "max_seq_len": 512, "trust_remote_code": False}
+def test_killed_generation_resumes_to_identical_traces(tmp_path, target_dir, one_engine_traces):
+    ref = one_engine_traces  # 6 prompts in 3 chunks, from one engine that ran to the end
 
     def code(out: Path) -> str:
         o = {k: str(out / f"{k}.jsonl") for k in ("traces", "rejects")} | {"summary": str(out / "summary.json")}
         return f"""
         from eagle3_pipeline.generation import run_generation_shard
-        run_generation_shard({str(prompts)!r}, {o!r}, {str(target_dir)!r}, {params!r}, chunk_prompts=2)
+        run_generation_shard({str(ref.prompts)!r}, {o!r}, {str(target_dir)!r}, {ref.params!r}, chunk_prompts={ref.chunk_prompts})
         """
 
-    ref, killed = tmp_path / "ref", tmp_path / "killed"
-    ref.mkdir()
+    killed = tmp_path / "killed"
     killed.mkdir()
-    r = run_py(code(ref), cwd=ref)
-    assert r.returncode == 0, r.stderr[-3000:]
     r = run_py(code(killed), {"EAGLE3_FAULT_KILL_AFTER_CHUNKS": "2"}, cwd=killed)
     assert r.returncode == -signal.SIGKILL and not (killed / "traces.jsonl").exists()
     # the killed stage's vLLM engine processes outlive it; its pid record names them
@@ -154,11 +144,10 @@ def test_killed_generation_resumes_to_identical_traces(tmp_path, target_dir):
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in orphans)
     assert not (tmp_path / ".pids" / "traces.json").exists()
     got = [json.loads(x) for x in (killed / "traces.jsonl").read_text().splitlines()]
-    want = [json.loads(x) for x in (ref / "traces.jsonl").read_text().splitlines()]
-    assert [t["id"] for t in got] == [r["id"] for r in recs]
-    assert [t["completion_token_ids"] for t in got] == [t["completion_token_ids"] for t in want]
+    assert [t["id"] for t in got] == [t["id"] for t in ref.traces]
+    assert [t["completion_token_ids"] for t in got] == [t["completion_token_ids"] for t in ref.traces]
     summary = json.loads((killed / "summary.json").read_text())
-    assert summary["chunks_resumed"] == 2 and summary["ok"] == 5
+    assert summary["chunks_resumed"] == 2 and summary["ok"] == 6
 
 
 def test_kept_work_names_finished_chunks_and_training_checkpoints(tmp_path):
