@@ -29,7 +29,9 @@ from eagle3_pipeline.plan import (
     plan_run,
     reference_for,
     remakes_training_inputs,
+    speedup_estimate,
     start_plans,
+    throughput_at,
 )
 from eagle3_pipeline.snakemake_adapter import dry_run_jobs, in_dependency_order, needrun_jobs
 
@@ -52,7 +54,13 @@ def test_fresh_run_is_planned_from_the_reference_figures(tmp_path):
     )
     assert gen.source.startswith("reference (this project's demo run on 2 CPU cores")
     # the embedded target on CPU is the reference itself: no "x 1", no parallelism caveat
-    assert all(p.source == f"reference ({ref['source']})" for p in plan.values())
+    assert all(p.source == f"reference ({ref['source']})" for s, p in plan.items() if s != "evaluate_drafter")
+    # the default speedup measurement (1, 16 and 64 in flight) has no decoding figures on this platform: said, not guessed
+    ev = plan["evaluate_drafter"]
+    assert ev.source.startswith(f"reference ({ref['source']}); speedup measurement 0 s: no decoding figures")
+    assert ev.seconds == pytest.approx(
+        ref["evaluate_drafter"]["load_seconds"] + ev.tokens / ref["evaluate_drafter"]["tokens_per_second"], abs=0.1
+    )
     ext = plan["extract_hidden_states"]
     assert ext.tokens == int(300 * (PROMPT_TOKENS + COMPLETION_FILL * 256))
     # tokens x 4 captured layers ([2, 15, 27] + 30) x hidden 576 x 2 bytes (bf16)
@@ -178,7 +186,10 @@ def test_vllm_extraction_on_cpu_has_its_own_reference_and_the_caveat_only_where_
     assert _by_stage(make_plan(hf, BUILTIN_SHAPE, tmp_path, "cpu"))["extract_hidden_states"].load_seconds == 3.0
     # tensor parallel on CPU, and any GPU plan, carry the caveat; a smaller target its scale
     tp = validate_config({"prompts": {"max_prompts": 10}, "vllm": {"tensor_parallel_size": 2}})
-    assert all(p.source.endswith("; rough: tensor/pipeline parallel not modelled") for p in make_plan(tp, BUILTIN_SHAPE, tmp_path, "cpu"))
+    assert all(
+        p.source.split("; speedup measurement")[0].endswith("; rough: tensor/pipeline parallel not modelled")
+        for p in make_plan(tp, BUILTIN_SHAPE, tmp_path, "cpu")
+    )
     gpu = _by_stage(make_plan(hf, BUILTIN_SHAPE, tmp_path, "cuda"))  # hf backend on a GPU: its own figure
     assert (
         gpu["extract_hidden_states"].load_seconds
@@ -481,7 +492,11 @@ def test_reference_figures_are_data_with_a_source_and_command_each():
             figures = {k: v for k, v in ref.items() if k.startswith(stages)}
             assert set(stages) <= set(figures), platform
             for name, fig in figures.items():
-                assert fig["tokens_per_second"] > 0 and fig["load_seconds"] >= 0, (platform, name)
+                if name == "evaluate_drafter_speedup":  # decoding tokens/s per side and requests in flight
+                    assert all(v > 0 and int(c) >= 1 for side in ("with_drafter", "without_drafter") for c, v in fig[side].items())
+                    assert fig["with_drafter"].keys() == fig["without_drafter"].keys() and fig["load_seconds"] >= 0, platform
+                else:
+                    assert fig["tokens_per_second"] > 0 and fig["load_seconds"] >= 0, (platform, name)
                 # each figure says where and how it was measured: its own source/command or its reference's
                 assert fig.get("source", ref["source"]) and fig.get("command", ref["command"]), (platform, name)
     # the figures the estimates were built on (they were code before they were data)
@@ -577,3 +592,69 @@ def test_the_onerror_hook_says_what_a_rerun_resumes_from(tmp_path, capsys):
     store.remove()
     print_resume_hint(_fake_workflow([]), lay)
     assert "Rerun the same command to resume.\nEach job's log" in capsys.readouterr().err
+
+
+# evaluation.speedup as the CPU demo measured it: 8 prompts of 64 tokens at 1 and 8 requests in flight
+DEMO_SPEEDUP = {"max_tokens": 64, "speedup": {"concurrency": [1, 8], "max_prompts": 8}}
+
+
+def test_the_evaluation_estimate_includes_its_speedup_measurement(tmp_path):
+    cfg = validate_config({"evaluation": {**DEMO_SPEEDUP, "max_prompts": 20}})
+    ev = _by_stage(make_plan(cfg, BUILTIN_SHAPE, tmp_path, "cpu_fp32"))["evaluate_drafter"]
+    ref = reference_for("cpu_fp32", BUILTIN_SHAPE["params"])
+    # a second engine (the target alone), then 8 x 64 tokens per side and concurrency at the reference's rates
+    figures = {"with_drafter": {1: 5.49, 8: 19.71}, "without_drafter": {1: 8.19, 8: 38.77}}
+    assert {s: {int(c): v for c, v in f.items()} for s, f in ref["evaluate_drafter_speedup"].items() if s in figures} == figures
+    speed = 64.5 + sum(512 / tps for side in figures.values() for tps in side.values())
+    assert ev.work["speedup_seconds"] == pytest.approx(speed, abs=0.1)
+    tau_part = ref["evaluate_drafter"]["load_seconds"] + 20 * 64 / ref["evaluate_drafter"]["tokens_per_second"]
+    assert ev.seconds == pytest.approx(tau_part + speed, abs=0.2)
+    assert f"speedup measurement {round(speed, 1):.0f} s: reference (the speedup measurement of a demo-config run" in ev.source
+    # no measurement asked for: nothing added, nothing said
+    off = validate_config({"evaluation": {**DEMO_SPEEDUP, "max_prompts": 20, "speedup": {"concurrency": []}}})
+    ev_off = _by_stage(make_plan(off, BUILTIN_SHAPE, tmp_path, "cpu_fp32"))["evaluate_drafter"]
+    assert ev_off.work["speedup_seconds"] == 0 and ev_off.seconds == pytest.approx(tau_part, abs=0.1)
+    assert "speedup" not in ev_off.source
+
+
+def test_a_finished_evaluation_plans_the_next_from_its_own_speedup_rows(tmp_path):
+    run = tmp_path / "results" / "r"
+    (run / "eval").mkdir(parents=True)
+    rows = [
+        {"concurrency": c, "with_drafter": {"output_tokens": 512, "seconds": w}, "without_drafter": {"output_tokens": 512, "seconds": wo}}
+        for c, w, wo in ((1, 93.248, 62.485), (8, 25.978, 13.205))
+    ]
+    acc = {"output_tokens": 1280, "seconds": 51.422, "model_load_seconds": 64.518, "speedup": rows}
+    (run / "eval" / "acceptance.json").write_text(json.dumps(acc))
+    cfg = validate_config({"run": "r", "evaluation": {**DEMO_SPEEDUP, "max_prompts": 20}})
+    ev = _by_stage(make_plan(cfg, BUILTIN_SHAPE, run, "cpu_fp32"))["evaluate_drafter"]
+    # that run's job took 375.6 s: two engine starts, tau's 1,280 tokens and the four decoding runs
+    assert ev.seconds == pytest.approx(2 * 64.518 + 51.422 + 93.248 + 62.485 + 25.978 + 13.205, abs=0.2)
+    assert ev.source.endswith(f"; speedup measurement 259 s: measured: {run / 'eval' / 'acceptance.json'}")
+    # a sweep variant's evaluation measures it again; one that skips it adds nothing
+    two = validate_config(
+        {"run": "r", "evaluation": {**DEMO_SPEEDUP, "max_prompts": 20}, "sweep": {"variants": {"a": {"training": {"epochs": 1}}}}}
+    )
+    assert _by_stage(make_plan(two, BUILTIN_SHAPE, run, "cpu_fp32"))["evaluate_drafter"].work["speedup_seconds"] == pytest.approx(
+        2 * ev.work["speedup_seconds"], abs=0.2
+    )
+    skip = validate_config(
+        {"run": "r", "evaluation": {**DEMO_SPEEDUP, "max_prompts": 20},
+         "sweep": {"variants": {"a": {"evaluation": {"speedup": {"concurrency": []}}}}}}
+    )  # fmt: skip
+    assert _by_stage(make_plan(skip, BUILTIN_SHAPE, run, "cpu_fp32"))["evaluate_drafter"].work["speedup_seconds"] == pytest.approx(
+        ev.work["speedup_seconds"], abs=0.1
+    )
+
+
+def test_decoding_throughput_between_and_beyond_measured_concurrencies():
+    figures = {1: 5.49, 8: 19.71}
+    assert throughput_at(figures, 8) == (19.71, False)
+    # 4 in flight: two thirds of the way from 1 to 8 in log(concurrency), throughput a power law between them
+    tps, outside = throughput_at(figures, 4)
+    assert tps == pytest.approx(5.49 * (19.71 / 5.49) ** (2 / 3)) and not outside
+    assert throughput_at(figures, 64) == (19.71, True)  # beyond: the nearest figure, flagged
+    cfg = validate_config({"evaluation": {"max_tokens": 64, "speedup": {"concurrency": [8, 64], "max_prompts": 8}}})
+    est = speedup_estimate(cfg, 80, {"with_drafter": figures, "without_drafter": {1: 8.19, 8: 38.77}, "load_seconds": 10.0, "source": "s"})
+    assert est["tokens"] == 512 and est["seconds"] == pytest.approx(10 + 2 * (512 / 19.71 + 512 / 38.77), abs=0.1)
+    assert est["source"] == "s; [64] in flight taken from the nearest measured concurrency"

@@ -180,6 +180,104 @@ def measured(run_dir: str | Path) -> dict:
     return out
 
 
+#: The two sides of a speedup measurement (``eval/acceptance.json``'s ``speedup`` rows).
+SPEEDUP_SIDES = ("with_drafter", "without_drafter")
+
+
+def measured_speedup(run_dir: str | Path) -> dict | None:
+    """Decoding throughput this run's finished evaluation measured per concurrency, or None.
+
+    Returns:
+        ``{"with_drafter": {c: tok/s}, "without_drafter": {c: tok/s}, "load_seconds", "source"}``
+        from ``eval/acceptance.json``'s ``speedup`` rows (output tokens / seconds of each run) and
+        its engine's ``model_load_seconds`` (the target-alone engine loads as long); None when the
+        file is missing or has no usable row.
+    """
+    lay = RunLayout.at(run_dir)
+    rec = _read(Path(lay.acceptance()))
+    if not isinstance(rec, dict) or not isinstance(rec.get("speedup"), list):
+        return None
+    figures: dict = {side: {} for side in SPEEDUP_SIDES}
+    for row in rec["speedup"]:
+        try:
+            for side in SPEEDUP_SIDES:
+                run = row[side]
+                if run["seconds"] > 0:
+                    figures[side][int(row["concurrency"])] = run["output_tokens"] / run["seconds"]
+        except (KeyError, TypeError, ValueError):
+            continue  # a row without usable numbers is left out, not an error
+    load = rec.get("model_load_seconds")
+    if not all(figures[side] for side in SPEEDUP_SIDES) or not isinstance(load, int | float):
+        return None
+    return figures | {"load_seconds": float(load), "source": f"measured: {lay.acceptance()}"}
+
+
+def throughput_at(figures: dict[int, float], concurrency: int) -> tuple[float, bool]:
+    """Decoding tokens/s at ``concurrency`` requests in flight from figures measured at others.
+
+    Between two measured concurrencies, log-log interpolation (throughput as a power of the
+    concurrency between them); outside them, the nearest figure, which for a higher concurrency
+    understates the throughput (overstates the time).
+
+    Args:
+        figures: ``{concurrency: tokens/s}``, at least one.
+        concurrency: requests in flight.
+
+    Returns:
+        (tokens/s, whether ``concurrency`` lay outside the measured ones).
+    """
+    import math
+
+    cs = sorted(figures)
+    if concurrency in figures:
+        return figures[concurrency], False
+    if concurrency < cs[0] or concurrency > cs[-1]:
+        return figures[cs[0] if concurrency < cs[0] else cs[-1]], True
+    lo = max(c for c in cs if c < concurrency)
+    hi = min(c for c in cs if c > concurrency)
+    t = (math.log(concurrency) - math.log(lo)) / (math.log(hi) - math.log(lo))
+    return math.exp(math.log(figures[lo]) * (1 - t) + math.log(figures[hi]) * t), False
+
+
+def speedup_estimate(cfg: dict, eval_prompts: int, figures: dict | None, scale: float = 1.0) -> dict:
+    """Seconds the evaluation spends measuring the speedup (``evaluation.speedup``): every
+    concurrency decoded with the drafter and then by the target alone, in an engine of its own.
+
+    Args:
+        cfg: the run's (or a sweep variant's) validated config.
+        eval_prompts: the evaluation prompts (80 unless ``evaluation.max_prompts``).
+        figures: :func:`measured_speedup`'s form (a reference's ``evaluate_drafter_speedup`` or
+            this run's measurement), or None where there is none.
+        scale: throughput factor for a target of another size than the figures' (as the plan
+            scales the other stages).
+
+    Returns:
+        ``{"seconds", "tokens", "source"}``: ``tokens`` decoded per side and concurrency (the first
+        ``speedup.max_prompts`` prompts x ``evaluation.max_tokens``); ``seconds`` 0 with a source
+        saying why where nothing is measured (``concurrency: []``) or no figures exist.
+    """
+    speed = cfg["evaluation"]["speedup"]
+    n = min(speed["max_prompts"] or eval_prompts, eval_prompts)
+    tokens = n * cfg["evaluation"]["max_tokens"]
+    if not speed["concurrency"]:
+        return {"seconds": 0.0, "tokens": 0, "source": "evaluation.speedup.concurrency: [] (not measured)"}
+    if not figures:
+        return {
+            "seconds": 0.0,
+            "tokens": tokens,
+            "source": "no decoding figures for this platform: the speedup measurement is not in the estimate",
+        }
+    seconds, outside = figures["load_seconds"], []
+    for c in speed["concurrency"]:
+        for side in SPEEDUP_SIDES:
+            tps, out = throughput_at(figures[side], c)
+            seconds += tokens / (tps * scale)
+            if out and c not in outside:
+                outside.append(c)
+    src = figures["source"] + (f"; {outside} in flight taken from the nearest measured concurrency" if outside else "")
+    return {"seconds": round(seconds, 1), "tokens": tokens, "source": src}
+
+
 def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> list[StageEstimate]:
     """The plan of a run: one :class:`StageEstimate` per full-model or training stage.
 
@@ -277,12 +375,22 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
     ext_tokens = int(n_ok * (p_tok + c_tok))
     epochs = cfg["training"]["epochs"]
     train_fraction = 1.0 - cfg["training"]["val_fraction"]
-    eval_tokens = int(cfg["evaluation"].get("max_prompts") or 80) * cfg["evaluation"]["max_tokens"]
+    eval_prompts = int(cfg["evaluation"].get("max_prompts") or 80)
+    eval_tokens = eval_prompts * cfg["evaluation"]["max_tokens"]
     # sweep variants: more trainings (those with a drafter of their own) and evaluations, each
     # planned like the run's own
     variants = variant_configs(cfg) if cfg.get("sweep", {}).get("variants") else {}
     n_train = 1 + sum(not shares_drafter(cfg, v) for v in variants.values())
     n_eval = 1 + len(variants)
+    # the evaluation's second part: decoding with and without the drafter per concurrency, in every
+    # evaluation job (each variant's with its own evaluation settings)
+    speed_figures, speed_scale = measured_speedup(run_dir), 1.0
+    if speed_figures is None and "evaluate_drafter_speedup" in ref:  # keys: requests in flight, as JSON strings
+        r = ref["evaluate_drafter_speedup"]
+        speed_figures = r | {side: {int(c): v for c, v in r[side].items()} for side in SPEEDUP_SIDES}
+        speed_figures["source"] = f"reference ({r['source']})" + (f" x {scale:.3g}" if round(scale, 3) != 1 else "")
+        speed_scale = scale
+    speedups = [speedup_estimate(c, eval_prompts, speed_figures, speed_scale) for c in (cfg, *variants.values())]
     plan = []
     for stage, jobs, tokens, ref_key, s, disk, work in (
         ("generate_traces", shards, gen_tokens, None, scale, 0, {"prompts": n_prompts, "prompts_source": src_prompts}),
@@ -306,6 +414,8 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
             {
                 "max_tokens": cfg["evaluation"]["max_tokens"],
                 "tokens_source": "evaluation prompts (80 unless evaluation.max_prompts) x max_tokens",
+                "speedup_seconds": round(sum(x["seconds"] for x in speedups), 1),
+                "speedup_source": speedups[0]["source"],
             },
         ),
     ):
@@ -318,12 +428,15 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
         per_job = tokens / max(jobs, 1)
         seconds = load + per_job / tps  # jobs of one stage run one after another on one host
         # (training's load is its compilation, once per training job like an engine's load)
+        extra = work.get("speedup_seconds", 0.0)  # every evaluation job's speedup measurement
+        if stage == "evaluate_drafter" and cfg["evaluation"]["speedup"]["concurrency"]:
+            source += f"; speedup measurement {extra:.0f} s: {work['speedup_source']}"
         plan.append(
             StageEstimate(
                 stage,
                 jobs,
                 tokens,
-                round(seconds * jobs, 1),
+                round(seconds * jobs + extra, 1),
                 load,
                 round(tps, 1),
                 int(disk),
