@@ -222,3 +222,20 @@ def test_all_names_what_its_phases_miss_before_the_first_one(tmp_path, monkeypat
     assert f"{work / 'hs-vllm'} does not exist: phase ours_vllm writes it" in err
     assert f"{work / 'traces.jsonl'} does not exist: phase samples writes it" in err
     assert "hs-hf" not in err  # train_ours does not read it
+
+
+# --- the scripts of a finished run, and the drivers ---------------------------------------------------
+
+
+def test_drafter_gap_names_the_missing_run_files_with_the_command_that_makes_them():
+    from drafter_gap import input_problems
+
+    from eagle3_pipeline.config import validate_config
+
+    cfg = validate_config({"run": "no-such-run", "prompts": {"num_shards": 2}})
+    drafter = str((ROOT / "results" / "no-such-run" / "drafter").resolve())
+    (line,) = [p for p in input_problems(cfg, ["my.yaml"], drafter) if "no-such-run" in p]
+    files = [f"results/no-such-run/hidden_states/shard-0000{i}.safetensors" for i in (0, 1)]
+    files += [f"results/no-such-run/traces/shard-0000{i}.jsonl" for i in (0, 1)]
+    files += ["results/no-such-run/eval/prompts.jsonl", "results/no-such-run/drafter"]
+    assert line.endswith(f"run the workflow first, .venv/bin/snakemake --cores all --configfile my.yaml -- {' '.join(files)}")
