@@ -5,6 +5,8 @@ inputs are checked before the first phase; vs_speculators' ``all`` hands its opt
 
 import json
 import os
+import shutil
+import subprocess
 import sys
 import textwrap
 import time
@@ -239,3 +241,19 @@ def test_drafter_gap_names_the_missing_run_files_with_the_command_that_makes_the
     files += [f"results/no-such-run/traces/shard-0000{i}.jsonl" for i in (0, 1)]
     files += ["results/no-such-run/eval/prompts.jsonl", "results/no-such-run/drafter"]
     assert line.endswith(f"run the workflow first, .venv/bin/snakemake --cores all --configfile my.yaml -- {' '.join(files)}")
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="on a GPU host the driver would start its pipeline")
+@pytest.mark.parametrize("driver", ["drafter_gap_h200.sh", "sweep_h200.sh"])
+def test_an_h200_driver_stops_before_its_first_phase_without_a_gpu(tmp_path, driver):
+    r = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / driver)],
+        cwd=tmp_path,
+        env={**os.environ, "OUT": "out"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stderr
+    assert "no CUDA GPU visible to torch" in r.stderr
+    assert list((tmp_path / "out").iterdir()) == []  # no phase ran, no record started
