@@ -252,7 +252,8 @@ def _shard_diff(work: Path, a: str, b: str) -> dict:
 
 def extraction_check(args, work: Path, res: phases.Results) -> None:
     """Is hf extraction run-to-run deterministic on one GPU, and do 2 replicas match 1? (``extraction_check`` in ``res``)"""
-    make_target(args.config_dir, work)
+    if res.inline("random_target", lambda: {"path": str(make_target(args.config_dir, work))}, section=None) is None:
+        return
     traces = work / "random-traces.jsonl"
     _random_traces(traces, args.prompts, args.config_dir)
     runs = {}
@@ -303,7 +304,8 @@ def default_prompts() -> str:
 
 def default_inputs(args: argparse.Namespace, work: Path, res: phases.Results) -> bool:
     """Fill in ``--config-dir`` and ``--prompts`` where not given, with the embedded target and the default
-    run's first prompts shard, made by Snakemake when missing (phase ``inputs``); whether they are there."""
+    run's first prompts shard, made by Snakemake when missing (phases ``embedded_target`` and ``prompts``);
+    whether they are there."""
     if not args.config_dir and args.phase != "rest":
         made = phases.make_embedded_target(res, work / "log-embedded_target.txt")
         if made is None:
@@ -379,8 +381,9 @@ def measure(args: argparse.Namespace, work: Path, res: phases.Results) -> None:
         import vllm
 
         shutil.copy(args.prompts, work / "prompts.jsonl")
-        make_target(args.config_dir, work)
         res.data["vllm"] = vllm.__version__
+        if res.inline("random_target", lambda: {"path": str(make_target(args.config_dir, work))}, section=None) is None:
+            return
         gen = {
             "1gpu": _sub(res, "generation", "1gpu", work, "0", t, "generate", "--name", "dp1-tp1"),
             "tp2": _sub(res, "generation", "tp2", work, "0,1", t, "generate", "--name", "dp1-tp2", "--tp", "2"),
