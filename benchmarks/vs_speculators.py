@@ -43,6 +43,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -774,11 +775,12 @@ def main() -> None:
         _log(f"phase {ph}")
         part = work / f"result-{ph}.json"
         part.unlink(missing_ok=True)
-        run = phases.run_phase(phase_argv(ap, args, ph, part), work / f"log-{ph}.txt", timeout=args.timeout)
+        argv = phase_argv(ap, args, ph, part)
+        run = phases.run_phase(argv, work / f"log-{ph}.txt", timeout=args.timeout)
         if run.ok and not part.exists():
-            results.fail(ph, "exited 0 without writing its result", run.log)
+            results.fail(ph, "exited 0 without writing its result", run.log, phase_command=shlex.join(argv))
         else:
-            results.record(ph, run, json.loads(part.read_text()) if run.ok else None)
+            results.record(ph, run, (json.loads(part.read_text()) if run.ok else {}) | {"phase_command": shlex.join(argv)})
         results.data["summary"] = summarize(results.data["phases"])
         results.save()
         _log(f"phase {ph} {'done' if run.ok else 'failed'} in {run.seconds:.0f} s")

@@ -205,6 +205,7 @@ def test_all_creates_its_work_folder_records_a_failed_phase_and_goes_on(tmp_path
     assert target["error"] == "exit 1: CUDA out of memory" and target["returncode"] == 1
     assert target["log"] == str(work / "log-target.txt") and target["leftover_processes"] == 1
     assert "argv" in prefill and "error" not in prefill  # the phases after a failed one still run
+    assert target["phase_command"].split()[2:4] == ["target", "--out"] and "--tokenizer" in target["phase_command"]
     assert written["failed"] == ["target"]
 
 
