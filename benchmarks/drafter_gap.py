@@ -602,7 +602,17 @@ def main() -> None:
             }
             res = run_subprocess("engine", job, env, work, sys.stdout, left())
             if "error" in res:
-                record(name, {"env": env, "settings": vset, "k": kk, "error": res["error"], "wall_seconds": res["wall_seconds"]})
+                record(
+                    name,
+                    {
+                        "env": env,
+                        "settings": vset,
+                        "k": kk,
+                        "error": res["error"],
+                        "log": res.get("log"),
+                        "wall_seconds": res["wall_seconds"],
+                    },
+                )
             for s, row in res.get("sets", {}).items():
                 answers[f"{name}/{s}"] = row.pop("answers")
                 record(f"{name}/{s}", {"env": env, "settings": vset, "k": kk, "load_seconds": res["load_seconds"], **row})
