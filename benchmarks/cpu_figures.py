@@ -6,14 +6,17 @@
   (2,000 shard jobs) in an empty working directory, best of 3 wall-clock runs, next to the
   same with 1 shard (start-up cost).
 
-Prints JSON with the figures, the goals (2 s, 3 s) and the command.
+Prints JSON with the figures, the goals (2 s, 3 s) and the command. Each figure is a phase:
+``--out`` is rewritten after each, a failed one is recorded with its error (a failed
+``snakemake -n`` with its log under ``--work``) and the script exits 1 at the end.
 
-    python benchmarks/cpu_figures.py --out benchmarks/results/cpu_figures.json
+Run (CPU, after ``make setup``)::
+
+    .venv/bin/python benchmarks/cpu_figures.py --out benchmarks/results/cpu_figures.json
 """
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,6 +27,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "workflow_scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import phases  # noqa: E402
 
 from eagle3_pipeline.vocab import count_supervised_tokens  # noqa: E402
 
@@ -40,7 +46,16 @@ def counting(vocab: int = 163_840, samples: int = 40_000) -> dict:
     return {"tokens": tokens, "samples": samples, "vocab": vocab, "seconds": round(best, 3), "goal_seconds": 2.0}
 
 
-def dry_run(shards: int) -> float:
+#: Seconds one ``snakemake -n`` may take before it is stopped (the goal is 3).
+DRY_RUN_TIMEOUT = 600
+
+
+def dry_run(shards: int, work: Path) -> float:
+    """Best of 3 wall-clock seconds of ``snakemake -n -q`` of the embedded default with ``shards`` prompt shards.
+
+    Raises:
+        phases.PhaseError: a run failed (its log under ``work``).
+    """
     with tempfile.TemporaryDirectory() as d:
         cfg = Path(d) / "c.yaml"
         cfg.write_text(yaml.safe_dump({"prompts": {"num_shards": shards, "sources": [{"type": "builtin_sharegpt"}], "max_prompts": None}}))
@@ -60,9 +75,11 @@ def dry_run(shards: int) -> float:
             str(ROOT / "Snakefile"),
         ]
         best = float("inf")
-        for _ in range(3):
+        for i in range(3):
             t = time.perf_counter()
-            subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
+            run = phases.run_phase(cmd, work / f"dry-run-{shards}-shards-{i}.log", timeout=DRY_RUN_TIMEOUT, cwd=ROOT)
+            if not run.ok:
+                raise phases.PhaseError(f"snakemake -n with {shards} shards: {run.error}", run.log)
             best = min(best, time.perf_counter() - t)
     return round(best, 3)
 
@@ -70,16 +87,19 @@ def dry_run(shards: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "cpu_figures"), help="the dry runs' logs")
     args = ap.parse_args()
-    res = {
-        "command": "python benchmarks/cpu_figures.py " + " ".join(sys.argv[1:]),
-        "vocab_counting": counting(),
-        "dry_run": {"shards_1_seconds": dry_run(1), "shards_1000_seconds": dry_run(1000), "goal_seconds": 3.0},
-    }
-    text = json.dumps(res, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    phases.fail_fast(phases.missing_packages(["snakemake"]))
+    work = Path(args.work)
+    results = phases.Results(args.out, {"command": "python benchmarks/cpu_figures.py " + " ".join(sys.argv[1:])})
+    results.inline("vocab_counting", counting, section=None)
+    results.inline(
+        "dry_run",
+        lambda: {"shards_1_seconds": dry_run(1, work), "shards_1000_seconds": dry_run(1000, work), "goal_seconds": 3.0},
+        section=None,
+    )
+    print(json.dumps(results.data, indent=2))
+    sys.exit(results.finish())
 
 
 if __name__ == "__main__":

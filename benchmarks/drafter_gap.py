@@ -21,11 +21,18 @@ several ways, each row τ and acceptance per draft position at ``k``:
   the drafter and the drafter's logits at each draft step, against the ``hf`` backend's
   states for the same tokens and speculators' forward of the same checkpoint on them.
 
-Each vLLM row runs in its own process (engine settings read from the environment take
-effect), a failed row is recorded with its error and the rest go on, and ``--out`` is
-rewritten after every row. ``--rows`` picks rows by name prefix.
+Each vLLM row runs in its own process and session (engine settings read from the environment
+take effect; what it leaves running is stopped when it ends), a failed row is recorded with
+its error and log and the rest go on, ``--out`` is rewritten after every row, and the script
+exits 1 at the end when a row failed or the deadline left it out. ``--rows`` picks rows by
+name prefix. The run's files the rows read (hidden states, traces, evaluation prompts, the
+drafter, the target) are checked before the first row; a missing one is named with the
+Snakemake command that makes it.
 
-    python benchmarks/drafter_gap.py --configfile config/examples/smollm2-h200.yaml \\
+Run after the run itself (``make setup`` on a CPU machine, ``bash envs/gpu-host-setup.sh
+<wheelhouse>`` on a GPU host; ``benchmarks/drafter_gap_h200.sh`` does both on an H200)::
+
+    .venv/bin/python benchmarks/drafter_gap.py --configfile config/examples/smollm2-h200.yaml \\
         --prompts 200 --out benchmarks/results/drafter_gap_h200.json
     (CPU, the demo run: --configfile config/config.yaml --prompts 20)
 """
@@ -35,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,7 +56,9 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "workflow_scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import phases  # noqa: E402
 
 # --- configuration and inputs -------------------------------------------------------------------
 
@@ -71,11 +79,32 @@ def load_config(configfiles: list[str], overrides: list[str]) -> dict:
 
 
 def target_dir(cfg: dict) -> str:
+    """The folder of the config's target: the embedded target's (:func:`phases.embedded_target`) or ``target.path``."""
     from eagle3_pipeline.target_model import BUILTIN_TARGET
 
-    return (
-        str(ROOT / "resources" / "models" / "smollm2-135m-instruct") if cfg["target"]["path"] == BUILTIN_TARGET else cfg["target"]["path"]
-    )
+    return str(phases.embedded_target()) if cfg["target"]["path"] == BUILTIN_TARGET else cfg["target"]["path"]
+
+
+def input_problems(cfg: dict, configfiles: list[str], drafter: str, extra: list[str] = ()) -> list[str]:
+    """What the rows need and the run lacks: its hidden-state and trace shards, its evaluation
+    prompts, ``drafter``, the target and ``extra`` workflow outputs (the workflow's outputs named
+    with the Snakemake command that makes them, other folders with what to give instead)."""
+    from eagle3_pipeline.layout import BUILTIN_TARGET_DIR, RunLayout
+    from eagle3_pipeline.target_model import BUILTIN_TARGET
+
+    layout = RunLayout(cfg["run"])
+    shards = [f"{i:05d}" for i in range(cfg["prompts"]["num_shards"])]
+    outputs = [layout.hidden_states(s) for s in shards] + [layout.traces(s) for s in shards] + [layout.eval_prompts(), *extra]
+    others = {}
+    if Path(drafter) == (ROOT / layout.drafter()).resolve():
+        outputs.append(layout.drafter())
+    else:
+        others[drafter] = "give a trained drafter's folder (--drafter), or train the variant's"
+    if cfg["target"]["path"] == BUILTIN_TARGET:
+        outputs.append(BUILTIN_TARGET_DIR)
+    else:
+        others[cfg["target"]["path"]] = "the config's target.path names no model folder"
+    return phases.missing_run_outputs(outputs, configfiles) + phases.missing_paths(others)
 
 
 def validation_traces(run: Path, val_fraction: float, limit: int) -> list[dict]:
@@ -170,33 +199,25 @@ def engine_job(job: dict, result_path: Path) -> dict:
 
 
 def run_subprocess(kind: str, job: dict, env: dict, work: Path, log, timeout: float | None = None) -> dict:
-    """``python drafter_gap.py <kind> job.json result.json`` with ``env`` added, stopped after ``timeout`` s.
+    """``python drafter_gap.py <kind> job.json result.json`` with ``env`` added, as a phase
+    (:func:`phases.run_phase`: its own session, output in ``<work>/<name>.log``) stopped after ``timeout`` s.
 
     Returns:
         its result (for an engine job stopped early or failed, the sets it finished, with
-        ``error``), or ``{"error"}``.
+        ``error`` and ``log``), or ``{"error", "log"}``; ``wall_seconds`` in both.
     """
     work.mkdir(parents=True, exist_ok=True)
     jf, rf = work / f"{job['name']}.job.json", work / f"{job['name']}.result.json"
     jf.write_text(json.dumps(job))
     rf.unlink(missing_ok=True)
-    t = time.perf_counter()
-    cmd = [sys.executable, __file__, kind, str(jf), str(rf)]
-    with open(work / f"{job['name']}.log", "w") as out:
-        proc = subprocess.Popen(cmd, env=os.environ | env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)  # the engine's processes too
-            proc.wait()
-            rc = "deadline"
-    text = (work / f"{job['name']}.log").read_text(errors="replace")
+    run = phases.run_phase([sys.executable, __file__, kind, str(jf), str(rf)], work / f"{job['name']}.log", timeout=timeout, env=env)
     res = json.loads(rf.read_text()) if rf.exists() else {}
-    res["wall_seconds"] = round(time.perf_counter() - t, 1)
-    if rc != 0:
-        tail = text.strip().splitlines()[-12:]
-        print(f"[{job['name']}] stopped ({rc}):\n  " + "\n  ".join(tail), file=log, flush=True)
-        res["error"] = "stopped at the deadline" if rc == "deadline" else f"exit {rc}: " + " | ".join(tail[-3:])
+    res["wall_seconds"] = round(run.seconds, 1)
+    if not run.ok:
+        tail = phases.log_tail(run.log, 12)
+        print(f"[{job['name']}] stopped ({run.error}):\n  " + "\n  ".join(tail), file=log, flush=True)
+        res["error"] = "stopped at the deadline" if run.timed_out else run.error
+        res["log"] = str(run.log)
     return res
 
 
@@ -464,6 +485,7 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    phases.fail_fast(phases.missing_packages(["snakemake", "torch", "vllm", "speculators"]))
     import torch
 
     cfg = load_config(args.configfile, args.config)
@@ -474,6 +496,7 @@ def main() -> None:
     acc = json.loads(acc_path.read_text()) if acc_path.exists() else {}
     drafter = str((own / "drafter").resolve()) if args.variant and (own / "drafter").exists() else acc.get("drafter")
     drafter = str(Path(args.drafter).resolve()) if args.drafter else drafter or str((run / "drafter").resolve())
+    phases.fail_fast(input_problems(cfg, args.configfile, drafter))
     k = acc.get("num_speculative_tokens") or cfg["evaluation"]["num_speculative_tokens"] or cfg["training"]["ttt_steps"]
     gen_len, eval_len = cfg["generation"]["max_tokens"], cfg["evaluation"]["max_tokens"]
     shards = [str(p) for p in sorted((run / "hidden_states").glob("shard-?????.safetensors"))]
@@ -487,25 +510,29 @@ def main() -> None:
     evalp = eval_prompt_ids(cfg, run, target)
     vllm_cfg = cfg["vllm"] | ({} if cfg["evaluation"]["enforce_eager"] is None else {"enforce_eager": cfg["evaluation"]["enforce_eager"]})
     spec = {"method": "eagle3", "model": drafter, "num_speculative_tokens": k}
-    result: dict = {
-        "run": cfg["run"],
-        "variant": args.variant,
-        "drafter": drafter,
-        "k": k,
-        "validation_prompts": len(val),
-        "eval_prompts": len(evalp),
-        "generation_max_tokens": gen_len,
-        "eval_max_tokens": eval_len,
-        # what the workflow's evaluation measured for this drafter (none for --drafter's)
-        "evaluate_drafter": None
-        if args.drafter
-        else {"tau": acc.get("acceptance_length"), "per_position": acc.get("per_position_acceptance_rate")},
-        "engine": engine_identity(),
-        "gpu": torch.cuda.get_device_name(0) if on_gpu else None,
-        "rows": {},
-        "command": " ".join(["python", *sys.argv]),
-        "config": cfg,
-    }
+    results = phases.Results(
+        args.out,
+        {
+            "run": cfg["run"],
+            "variant": args.variant,
+            "drafter": drafter,
+            "k": k,
+            "validation_prompts": len(val),
+            "eval_prompts": len(evalp),
+            "generation_max_tokens": gen_len,
+            "eval_max_tokens": eval_len,
+            # what the workflow's evaluation measured for this drafter (none for --drafter's)
+            "evaluate_drafter": None
+            if args.drafter
+            else {"tau": acc.get("acceptance_length"), "per_position": acc.get("per_position_acceptance_rate")},
+            "engine": engine_identity(),
+            "gpu": torch.cuda.get_device_name(0) if on_gpu else None,
+            "rows": {},
+            "command": " ".join(["python", *sys.argv]),
+            "config": cfg,
+        },
+    )
+    result = results.data
 
     started = time.perf_counter()
 
@@ -516,17 +543,18 @@ def main() -> None:
     def want(name: str) -> bool:
         return not args.rows or any(name.startswith(p) for p in args.rows)
 
-    def save() -> None:
-        if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-
     def record(name: str, row: dict) -> None:
-        result["rows"][name] = row
+        """Record row ``name`` (a failure where it holds ``error``) and rewrite ``--out``."""
+        if "error" in row:
+            results.fail(name, row.pop("error"), row.pop("log", None), section="rows", **row)
+        else:
+            results.put(name, row, section="rows")
         short = {
-            key: row.get(key) for key in ("tau", "acceptance_length", "per_position", "per_position_acceptance_rate", "error") if key in row
+            key: result["rows"][name].get(key)
+            for key in ("tau", "acceptance_length", "per_position", "per_position_acceptance_rate", "error", "log")
+            if key in result["rows"][name]
         }
         print(f"[{name}] {json.dumps(short)}", flush=True)
-        save()
 
     vp = [t["prompt_token_ids"] for t in val]
     ep = [q["prompt_token_ids"] for q in evalp]
@@ -574,7 +602,17 @@ def main() -> None:
             }
             res = run_subprocess("engine", job, env, work, sys.stdout, left())
             if "error" in res:
-                record(name, {"env": env, "settings": vset, "k": kk, "error": res["error"], "wall_seconds": res["wall_seconds"]})
+                record(
+                    name,
+                    {
+                        "env": env,
+                        "settings": vset,
+                        "k": kk,
+                        "error": res["error"],
+                        "log": res.get("log"),
+                        "wall_seconds": res["wall_seconds"],
+                    },
+                )
             for s, row in res.get("sets", {}).items():
                 answers[f"{name}/{s}"] = row.pop("answers")
                 record(f"{name}/{s}", {"env": env, "settings": vset, "k": kk, "load_seconds": res["load_seconds"], **row})
@@ -631,7 +669,7 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 (a row's failure is recorded, the rest go on)
             traceback.print_exc()
             record(name, {"error": repr(e)})
-    save()
+    sys.exit(results.finish())
 
 
 if __name__ == "__main__":

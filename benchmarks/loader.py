@@ -8,7 +8,12 @@ selecting after (how ``ShardDataset`` read before it passed its layers to
 ``ShardReader.sample``). A GPU training step consumes ``loader_workers`` times this rate at
 most; on the H200 the fp8 run of session 9 trained at 91K tok/s with 4 workers.
 
-    python benchmarks/loader.py --out benchmarks/results/loader_cpu.json
+Each storage dtype is a phase: ``--out`` is rewritten after each, a failed one is recorded
+with its error and the script exits 1 at the end.
+
+Run (CPU, after ``make setup``)::
+
+    .venv/bin/python benchmarks/loader.py --out benchmarks/results/loader_cpu.json
 """
 
 import argparse
@@ -24,6 +29,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "workflow_scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import phases  # noqa: E402
 
 from eagle3_pipeline.conventions import loss_mask  # noqa: E402
 from eagle3_pipeline.shards import (  # noqa: E402
@@ -59,33 +67,39 @@ def main() -> None:
         samples.append(Sample(f"{i:016x}", rng.integers(0, 49152, size=540), loss_mask(170, 370)))
         states.append(torch.randn(540, len(LAYERS), 576, dtype=torch.bfloat16))
     tokens = 540 * args.samples
-    out = {
-        "command": "python benchmarks/loader.py" + (f" --out {args.out}" if args.out else ""),
-        "cpu": platform.processor() or platform.machine(),
-    }
+    results = phases.Results(
+        args.out,
+        {
+            "command": "python benchmarks/loader.py" + (f" --out {args.out}" if args.out else ""),
+            "cpu": platform.processor() or platform.machine(),
+        },
+    )
+
+    def read_rates(path: Path, dtype: torch.dtype) -> dict:
+        """Tokens/s of ``ShardDataset`` items from a ``dtype`` shard written at ``path``, per aux-layer choice."""
+        write_shard(path, samples, states, layer_ids=LAYERS, aux_layer_ids=LAYERS[:-1], index_path=None, storage_dtype=dtype)
+        r = ShardReader(path)
+        items = [(0, i) for i in range(args.samples)]
+        row = {}
+        for name, cols in (("3 of 5 aux layers", [0, 2, 4]), ("all 5 aux layers", None)):
+            ds = ShardDataset([r], items, 4096, torch.bfloat16, cols)
+            want = cols if cols is not None else [0, 1, 2, 3, 4]
+
+            def read_all_then_select(i, want=want, r=r):
+                hs = r.sample(i)["hidden_states"]
+                return hs[:, want].reshape(540, -1), hs[:, 5]
+
+            row[name] = {
+                "tokens_per_second": round(rate(ds._get_raw_data, args.samples, tokens, args.reps)),
+                "read_every_layer_then_select_tokens_per_second": round(rate(read_all_then_select, args.samples, tokens, args.reps)),
+            }
+        return row
+
     with tempfile.TemporaryDirectory() as d:
         for dtype in (torch.bfloat16, torch.float8_e4m3fn):
-            path = Path(d) / f"{dtype}.safetensors"
-            write_shard(path, samples, states, layer_ids=LAYERS, aux_layer_ids=LAYERS[:-1], index_path=None, storage_dtype=dtype)
-            r = ShardReader(path)
-            items = [(0, i) for i in range(args.samples)]
-            row = {}
-            for name, cols in (("3 of 5 aux layers", [0, 2, 4]), ("all 5 aux layers", None)):
-                ds = ShardDataset([r], items, 4096, torch.bfloat16, cols)
-                want = cols if cols is not None else [0, 1, 2, 3, 4]
-
-                def read_all_then_select(i, want=want, r=r):
-                    hs = r.sample(i)["hidden_states"]
-                    return hs[:, want].reshape(540, -1), hs[:, 5]
-
-                row[name] = {
-                    "tokens_per_second": round(rate(ds._get_raw_data, args.samples, tokens, args.reps)),
-                    "read_every_layer_then_select_tokens_per_second": round(rate(read_all_then_select, args.samples, tokens, args.reps)),
-                }
-            out[str(dtype).removeprefix("torch.")] = row
-    print(json.dumps(out, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+            results.inline(str(dtype).removeprefix("torch."), read_rates, Path(d) / f"{dtype}.safetensors", dtype, section=None)
+    print(json.dumps(results.data, indent=1))
+    sys.exit(results.finish())
 
 
 if __name__ == "__main__":

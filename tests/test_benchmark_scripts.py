@@ -1,0 +1,260 @@
+"""The benchmark scripts' orchestration (benchmarks/phases.py and the scripts that use it), with tiny fake
+phases: no GPU, no engine. A phase runs in its own session with its output in a log file and what it
+leaves running is stopped; a failed phase is recorded with its error and log and the script exits 1;
+inputs are checked before the first phase; vs_speculators' ``all`` hands its options to its phases."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import phases  # noqa: E402
+import vs_speculators  # noqa: E402
+
+#: A phase that starts a long sleeper holding its stdout (in its process group, or in a session of its
+#: own as ``vllm serve`` is started), writes the sleeper's pid to argv[2], prints a line and exits 3.
+LEAVES_A_CHILD = """
+import subprocess, sys
+child = subprocess.Popen(["sleep", "120"], start_new_session=sys.argv[1] == "own-session")
+open(sys.argv[2], "w").write(str(child.pid))
+print("the phase failed here", flush=True)
+sys.exit(3)
+"""
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped by its new parent, does not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture
+def child_pids():
+    """Pids of sleepers a test's fake phases start; any still running at the end are killed (and the test fails)."""
+    pids: list[int] = []
+    yield pids
+    left = [p for p in pids if running(p)]
+    for p in left:
+        os.kill(p, 9)
+    assert not left, f"sleepers left running: {left}"
+
+
+@pytest.mark.parametrize("where", ["process-group", "own-session"])
+def test_a_failed_phase_leaving_a_child_on_its_output_returns_at_once_and_the_child_is_stopped(tmp_path, where, child_pids):
+    script = tmp_path / "phase.py"
+    script.write_text(LEAVES_A_CHILD)
+    t = time.monotonic()
+    run = phases.run_phase([sys.executable, script, where, tmp_path / "pid"], tmp_path / "logs" / "phase.log", grace=5)
+    elapsed = time.monotonic() - t
+    child_pids.append(int((tmp_path / "pid").read_text()))
+    assert elapsed < 30  # the sleeper holds the phase's stdout for 120 s: a pipe reader would wait that long
+    assert not running(child_pids[0])
+    assert (run.returncode, run.timed_out, run.leftovers, run.ok) == (3, False, 1, False)
+    assert run.error == "exit 3: the phase failed here"
+    assert run.log == tmp_path / "logs" / "phase.log" and "the phase failed here" in run.log.read_text()
+    assert run.record() == {
+        "wall_seconds": round(run.seconds, 1),
+        "log": str(tmp_path / "logs" / "phase.log"),
+        "leftover_processes": 1,
+        "returncode": 3,
+        "error": "exit 3: the phase failed here",
+    }
+
+
+def test_a_phase_past_its_timeout_is_stopped(tmp_path):
+    t = time.monotonic()
+    run = phases.run_phase(
+        [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(120)"], tmp_path / "p.log", timeout=1
+    )
+    assert time.monotonic() - t < 30
+    assert run.timed_out and not run.ok and run.returncode == -15
+    assert run.error == "stopped after its 1 s timeout: started"
+
+
+def test_a_successful_phase_records_its_time_and_log_only(tmp_path):
+    run = phases.run_phase([sys.executable, "-c", "print('fine')"], tmp_path / "p.log")
+    assert run.ok and run.error is None and run.leftovers == 0
+    assert run.record() == {"wall_seconds": round(run.seconds, 1), "log": str(tmp_path / "p.log")}
+
+
+def test_results_record_a_failed_inline_phase_and_the_exit_status(tmp_path):
+    res = phases.Results(tmp_path / "new" / "r.json", {"command": "x"})
+
+    def broken() -> dict:
+        raise phases.PhaseError("the trainer failed", tmp_path / "train.log")
+
+    assert res.inline("first", lambda: {"value": 1}) == {"value": 1}
+    assert res.inline("second", broken) is None
+    written = json.loads((tmp_path / "new" / "r.json").read_text())
+    assert written["phases"]["first"] == {"value": 1}
+    second = written["phases"]["second"]
+    assert second["error"] == "PhaseError: the trainer failed" and second["log"] == str(tmp_path / "train.log")
+    assert written["failed"] == ["second"]
+    assert res.finish() == 1
+    res.put("second", {"value": 2})  # run again, successfully
+    assert res.failed == [] and res.finish() == 0
+
+
+def test_the_drivers_command_line_records_each_phase_and_fails_at_the_end(tmp_path, capsys):
+    rec = tmp_path / "d_phases.json"
+    assert phases.main(["start", "--json", str(rec), "--command", "bash driver.sh"]) == 0
+    assert (
+        phases.main(["run", "--json", str(rec), "--name", "ok", "--log", str(tmp_path / "ok.log"), "--", sys.executable, "-c", "pass"]) == 0
+    )
+    bad = [sys.executable, "-c", "import sys; print('no drafter'); sys.exit(5)"]
+    assert phases.main(["run", "--json", str(rec), "--name", "bad", "--log", str(tmp_path / "bad.log"), "--", *bad]) == 5
+    assert phases.main(["finish", "--json", str(rec)]) == 1
+    written = json.loads(rec.read_text())
+    assert written["command"] == "bash driver.sh" and written["failed"] == ["bad"]
+    assert written["phases"]["bad"]["error"] == "exit 5: no drafter"
+    assert written["phases"]["bad"]["log"] == str(tmp_path / "bad.log")
+    assert "failed: bad; errors and logs in" in capsys.readouterr().err
+
+
+def test_a_missing_package_or_path_stops_a_driver_before_its_first_phase(capsys):
+    with pytest.raises(SystemExit) as e:
+        phases.main(["check", "--packages", "json", "no_such_package_here", "--paths", "benchmarks/phases.py", "no/such/file.yaml"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "package no_such_package_here is not installed" in err and "gpu-host-setup.sh" in err
+    assert "no/such/file.yaml does not exist" in err
+    assert len(err.strip().splitlines()) == 3  # "cannot start:" and the two problems, nothing on what is there
+
+
+def test_workflow_outputs_asks_snakemake_for_the_missing_ones_only(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(phases, "run_phase", lambda cmd, log, **kw: calls.append((cmd, log, kw)) or "ran")
+    assert phases.workflow_outputs([ROOT / "README.md", "Snakefile"], tmp_path / "s.log") is None
+    missing = [ROOT / "results" / "no-such-run" / "vocab", "results/no-such-run/prompts/shard-00000.jsonl"]
+    assert phases.workflow_outputs([ROOT / "README.md", *missing], tmp_path / "s.log", cores=2) == "ran"
+    cmd, log, kw = calls[0]
+    assert cmd == [sys.executable, "-m", "snakemake", "--cores", "2", "--", "results/no-such-run/vocab", missing[1]]
+    assert log == tmp_path / "s.log" and kw == {"timeout": None, "cwd": ROOT}
+
+
+# --- vs_speculators ----------------------------------------------------------------------------------
+
+
+def test_all_hands_every_option_to_its_phases_the_tokenizer_included(tmp_path):
+    ap = vs_speculators.parser()
+    given = ["--work", str(tmp_path / "w"), "--tokenizer", str(tmp_path / "tok"), "--samples", "8", "--concurrency", "3"]
+    given += ["--steps", "5", "--draft-vocab", "100", "--gen-prompts", "7", "--only", "samples", "--timeout", "9"]
+    args = ap.parse_args(["all", *given])
+    argv = vs_speculators.phase_argv(ap, args, "samples", tmp_path / "part.json")
+    assert argv[:4] == [sys.executable, str(ROOT / "benchmarks" / "vs_speculators.py"), "samples", "--out"]
+    assert argv[argv.index("--tokenizer") + 1] == str(tmp_path / "tok")
+    phase = ap.parse_args(argv[2:])  # what the phase sees: the parent's options, its own phase and result file
+    assert phase.out == str(tmp_path / "part.json") and phase.only is None and phase.timeout == 3600
+    same = {k: v for k, v in vars(args).items() if k not in vs_speculators.NOT_FORWARDED}
+    assert {k: v for k, v in vars(phase).items() if k not in vs_speculators.NOT_FORWARDED} == same
+
+
+def _fake_phases(monkeypatch, tmp_path) -> Path:
+    """vs_speculators' phases replaced by a script that records the options it was given; ``target`` leaves a
+    sleeper on its output (pid in ``tmp_path/pid``) and fails. No package or GPU check (a CPU machine)."""
+    script = tmp_path / "fake_phase.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import json, subprocess, sys
+        phase, out = sys.argv[1], sys.argv[sys.argv.index("--out") + 1]
+        if phase == "target":
+            child = subprocess.Popen(["sleep", "120"], start_new_session=True)
+            open({str(tmp_path / "pid")!r}, "w").write(str(child.pid))
+            print("CUDA out of memory", flush=True)
+            sys.exit(1)
+        json.dump({{"argv": sys.argv[2:]}}, open(out, "w"))
+        """)
+    )
+    real = vs_speculators.phase_argv
+
+    def fake_argv(ap, args, phase, out):
+        return [sys.executable, str(script), *real(ap, args, phase, out)[2:]]
+
+    monkeypatch.setattr(vs_speculators, "phase_argv", fake_argv)
+    monkeypatch.setattr(phases, "missing_packages", lambda modules: [])
+    monkeypatch.setattr(phases, "no_cuda", lambda: [])
+    return script
+
+
+def test_all_creates_its_work_folder_records_a_failed_phase_and_goes_on(tmp_path, monkeypatch, child_pids):
+    _fake_phases(monkeypatch, tmp_path)
+    (tmp_path / "tok").mkdir()
+    work = tmp_path / "new" / "work"
+    argv = ["vs_speculators.py", "all", "--work", str(work), "--tokenizer", str(tmp_path / "tok"), "--only", "samples", "target", "prefill"]
+    monkeypatch.setattr(sys, "argv", argv)
+    t = time.monotonic()
+    with pytest.raises(SystemExit) as e:
+        vs_speculators.main()
+    child_pids.append(int((tmp_path / "pid").read_text()))
+    assert e.value.code == 1
+    assert time.monotonic() - t < 60 and not running(child_pids[0])
+    written = json.loads((work / "vs_speculators.json").read_text())
+    samples, target, prefill = (written["phases"][p] for p in ("samples", "target", "prefill"))
+    assert samples["argv"][samples["argv"].index("--tokenizer") + 1] == str(tmp_path / "tok")
+    assert target["error"] == "exit 1: CUDA out of memory" and target["returncode"] == 1
+    assert target["log"] == str(work / "log-target.txt") and target["leftover_processes"] == 1
+    assert "argv" in prefill and "error" not in prefill  # the phases after a failed one still run
+    assert target["phase_command"].split()[2:4] == ["target", "--out"] and "--tokenizer" in target["phase_command"]
+    assert written["failed"] == ["target"]
+
+
+def test_all_names_what_its_phases_miss_before_the_first_one(tmp_path, monkeypatch, capsys):
+    _fake_phases(monkeypatch, tmp_path)
+    work = tmp_path / "w"
+    monkeypatch.setattr(sys, "argv", ["vs_speculators.py", "all", "--work", str(work), "--tokenizer", str(tmp_path / "no-tok")])
+    with pytest.raises(SystemExit) as e:
+        vs_speculators.main()
+    assert e.value.code == 2 and not work.exists()
+    assert f"--tokenizer {tmp_path / 'no-tok'} is not a directory" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["vs_speculators.py", "all", "--work", str(work), "--only", "ours_hf", "train_ours"])
+    with pytest.raises(SystemExit) as e:
+        vs_speculators.main()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and not work.exists()
+    assert f"{work / 'hs-vllm'} does not exist: phase ours_vllm writes it" in err
+    assert f"{work / 'traces.jsonl'} does not exist: phase samples writes it" in err
+    assert "hs-hf" not in err  # train_ours does not read it
+
+
+# --- the scripts of a finished run, and the drivers ---------------------------------------------------
+
+
+def test_drafter_gap_names_the_missing_run_files_with_the_command_that_makes_them():
+    from drafter_gap import input_problems
+
+    from eagle3_pipeline.config import validate_config
+
+    cfg = validate_config({"run": "no-such-run", "prompts": {"num_shards": 2}})
+    drafter = str((ROOT / "results" / "no-such-run" / "drafter").resolve())
+    (line,) = [p for p in input_problems(cfg, ["my.yaml"], drafter) if "no-such-run" in p]
+    files = [f"results/no-such-run/hidden_states/shard-0000{i}.safetensors" for i in (0, 1)]
+    files += [f"results/no-such-run/traces/shard-0000{i}.jsonl" for i in (0, 1)]
+    files += ["results/no-such-run/eval/prompts.jsonl", "results/no-such-run/drafter"]
+    assert line.endswith(f"run the workflow first, .venv/bin/snakemake --cores all --configfile my.yaml -- {' '.join(files)}")
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="on a GPU host the driver would start its pipeline")
+@pytest.mark.parametrize("driver", ["drafter_gap_h200.sh", "sweep_h200.sh"])
+def test_an_h200_driver_stops_before_its_first_phase_without_a_gpu(tmp_path, driver):
+    r = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / driver)],
+        cwd=tmp_path,
+        env={**os.environ, "OUT": "out"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stderr
+    assert "no CUDA GPU visible to torch" in r.stderr
+    assert list((tmp_path / "out").iterdir()) == []  # no phase ran, no record started
