@@ -25,6 +25,8 @@ from eagle3_pipeline.plan import (
     format_plan,
     load_references,
     make_plan,
+    measured,
+    measured_speedup,
     plan_dict,
     plan_run,
     reference_for,
@@ -658,3 +660,53 @@ def test_decoding_throughput_between_and_beyond_measured_concurrencies():
     est = speedup_estimate(cfg, 80, {"with_drafter": figures, "without_drafter": {1: 8.19, 8: 38.77}, "load_seconds": 10.0, "source": "s"})
     assert est["tokens"] == 512 and est["seconds"] == pytest.approx(10 + 2 * (512 / 19.71 + 512 / 38.77), abs=0.1)
     assert est["source"] == "s; [64] in flight taken from the nearest measured concurrency"
+
+
+def test_unusable_speedup_rows_are_left_out_counted_and_named(tmp_path):
+    run = tmp_path / "results" / "r"
+    (run / "eval").mkdir(parents=True)
+    acc_path = run / "eval" / "acceptance.json"
+
+    def row(c, tokens=512, secs=10.0):
+        return {
+            "concurrency": c,
+            "with_drafter": {"output_tokens": tokens, "seconds": secs},
+            "without_drafter": {"output_tokens": 512, "seconds": 5.0},
+        }
+
+    def write(rows, load=30.0):
+        acc_path.write_text(json.dumps({"output_tokens": 1280, "seconds": 50.0, "model_load_seconds": load, "speedup": rows}))
+
+    # concurrency 0, no tokens, a string, infinite seconds (JSON Infinity), a missing side: each left out and counted
+    write([row(1), row(0), row(2, tokens=0), row(4, secs="5"), row(8, secs=float("inf")), {"concurrency": 16, "with_drafter": {}}])
+    figures, note = measured_speedup(run)
+    assert figures["with_drafter"] == {1: 51.2} and figures["without_drafter"] == {1: 102.4} and figures["load_seconds"] == 30.0
+    assert note == f"{acc_path}: 5 of 6 speedup rows without a concurrency >= 1 and positive output_tokens and seconds: left out"
+    cfg = validate_config({"run": "r", "evaluation": {**DEMO_SPEEDUP, "max_prompts": 20}})
+    ev = _by_stage(make_plan(cfg, BUILTIN_SHAPE, run, "cpu_fp32"))["evaluate_drafter"]
+    assert ev.source.endswith(f"measured: {acc_path} ({note}); [8] in flight taken from the nearest measured concurrency")
+    # nothing usable, or a negative engine load: the reference instead, and the line says why
+    write([row(0)])
+    assert measured_speedup(run) == (
+        None,
+        f"{acc_path}: 1 of 1 speedup rows without a concurrency >= 1 and positive output_tokens and seconds: not used",
+    )
+    write([row(1)], load=-5)
+    _, note = measured_speedup(run)
+    assert note == f"{acc_path}: model_load_seconds -5 is not a number >= 0: not used"
+    ev = _by_stage(make_plan(cfg, BUILTIN_SHAPE, run, "cpu_fp32"))["evaluate_drafter"]
+    assert "reference (the speedup measurement of a demo-config run" in ev.source and ev.source.endswith(f"({note})")
+    assert ev.seconds > 0
+    acc_path.write_text('{"speedup": [')  # truncated
+    assert measured_speedup(run) == (None, f"{acc_path} is not a JSON object: not used")
+    assert _by_stage(make_plan(cfg, BUILTIN_SHAPE, run, "cpu_fp32"))["evaluate_drafter"].seconds > 0
+    # no file (a fresh run) or no measurement asked for: nothing to say
+    acc_path.write_text(json.dumps({"output_tokens": 1280, "seconds": 50.0, "model_load_seconds": 30.0, "speedup": []}))
+    assert measured_speedup(run) == (None, None)
+    acc_path.unlink()
+    assert measured_speedup(run) == (None, None)
+    # a stage record with negative or infinite figures plans nothing from them
+    acc_path.write_text(json.dumps({"output_tokens": -1280, "seconds": 50.0, "model_load_seconds": 30.0}))
+    assert "evaluate_drafter" not in measured(run)
+    acc_path.write_text(json.dumps({"output_tokens": 1280, "seconds": 50.0, "model_load_seconds": float("inf")}))
+    assert "evaluate_drafter" not in measured(run)

@@ -147,6 +147,14 @@ def _stage_files(lay: RunLayout, stage: str) -> list[Path]:
     return sorted(Path(lay.dir).glob(rel.as_posix()))
 
 
+def _positive(x, allow_zero: bool = False) -> bool:
+    """A finite int or float above 0 (or at 0 with ``allow_zero``), not a bool."""
+    import math
+
+    ok = isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+    return ok and (x >= 0 if allow_zero else x > 0)
+
+
 def measured(run_dir: str | Path) -> dict:
     """Throughput and load seconds measured by this run's finished outputs, per stage.
 
@@ -158,7 +166,7 @@ def measured(run_dir: str | Path) -> dict:
 
     def num(r: dict, k: str | None) -> float:
         v = r.get(k) if k else 0.0
-        if isinstance(v, bool) or not isinstance(v, int | float):
+        if not _positive(v, allow_zero=True):  # a negative, infinite or non-numeric figure plans nothing
             raise TypeError(k)
         return float(v)
 
@@ -170,7 +178,7 @@ def measured(run_dir: str | Path) -> dict:
                 recs.append((num(r, tok_key), num(r, sec_key), num(r, load_key)))
             except (TypeError, AttributeError):
                 continue
-        recs = [x for x in recs if x[1] > 0]
+        recs = [x for x in recs if x[0] > 0 and x[1] > 0]
         if recs:
             out[stage] = {
                 "tokens_per_second": sum(x[0] for x in recs) / sum(x[1] for x in recs),
@@ -184,32 +192,53 @@ def measured(run_dir: str | Path) -> dict:
 SPEEDUP_SIDES = ("with_drafter", "without_drafter")
 
 
-def measured_speedup(run_dir: str | Path) -> dict | None:
-    """Decoding throughput this run's finished evaluation measured per concurrency, or None.
+def measured_speedup(run_dir: str | Path) -> tuple[dict | None, str | None]:
+    """Decoding throughput this run's finished evaluation measured per concurrency.
+
+    A ``speedup`` row is used when its ``concurrency`` is an integer >= 1 and both of its runs
+    (``with_drafter``, ``without_drafter``) have positive, finite ``output_tokens`` and
+    ``seconds``; the others are left out and counted.
 
     Returns:
-        ``{"with_drafter": {c: tok/s}, "without_drafter": {c: tok/s}, "load_seconds", "source"}``
-        from ``eval/acceptance.json``'s ``speedup`` rows (output tokens / seconds of each run) and
-        its engine's ``model_load_seconds`` (the target-alone engine loads as long); None when the
-        file is missing or has no usable row.
+        ``(figures, note)``: ``figures`` is ``{"with_drafter": {c: tok/s}, "without_drafter": {c: tok/s},
+        "load_seconds", "source"}`` from ``eval/acceptance.json`` (output tokens / seconds of
+        each run; its engine's ``model_load_seconds`` for the target-alone engine, which loads
+        as long), or None; ``note`` says why the file's rows were not (all) used, naming it, or is
+        None (no file: a fresh run; or every row used).
     """
     lay = RunLayout.at(run_dir)
-    rec = _read(Path(lay.acceptance()))
-    if not isinstance(rec, dict) or not isinstance(rec.get("speedup"), list):
-        return None
+    path = Path(lay.acceptance())
+    if not path.is_file():
+        return None, None
+    rec = _read(path)
+    if not isinstance(rec, dict):
+        return None, f"{path} is not a JSON object: not used"
+    rows = rec.get("speedup")
+    if not isinstance(rows, list) or not rows:
+        return None, None  # the measurement was not asked for (or not yet made)
     figures: dict = {side: {} for side in SPEEDUP_SIDES}
-    for row in rec["speedup"]:
+    bad = 0
+    for row in rows:
         try:
-            for side in SPEEDUP_SIDES:
-                run = row[side]
-                if run["seconds"] > 0:
-                    figures[side][int(row["concurrency"])] = run["output_tokens"] / run["seconds"]
-        except (KeyError, TypeError, ValueError):
-            continue  # a row without usable numbers is left out, not an error
+            c = row["concurrency"]
+            runs = [row[side] for side in SPEEDUP_SIDES]
+            usable = isinstance(c, int) and not isinstance(c, bool) and c >= 1
+            usable = usable and all(_positive(r["output_tokens"]) and _positive(r["seconds"]) for r in runs)
+        except (KeyError, TypeError):
+            usable = False
+        if not usable:
+            bad += 1
+            continue
+        for side, r in zip(SPEEDUP_SIDES, runs, strict=True):
+            figures[side][c] = r["output_tokens"] / r["seconds"]
     load = rec.get("model_load_seconds")
-    if not all(figures[side] for side in SPEEDUP_SIDES) or not isinstance(load, int | float):
-        return None
-    return figures | {"load_seconds": float(load), "source": f"measured: {lay.acceptance()}"}
+    why = f"{bad} of {len(rows)} speedup rows without a concurrency >= 1 and positive output_tokens and seconds" if bad else ""
+    if not _positive(load, allow_zero=True):
+        why = "; ".join(x for x in (why, f"model_load_seconds {load!r} is not a number >= 0") if x)
+    if not figures["with_drafter"] or not _positive(load, allow_zero=True):
+        return None, f"{path}: {why}: not used"
+    note = f"{path}: {why}: left out" if why else None
+    return figures | {"load_seconds": float(load), "source": f"measured: {path}"}, note
 
 
 def throughput_at(figures: dict[int, float], concurrency: int) -> tuple[float, bool]:
@@ -384,13 +413,17 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
     n_eval = 1 + len(variants)
     # the evaluation's second part: decoding with and without the drafter per concurrency, in every
     # evaluation job (each variant's with its own evaluation settings)
-    speed_figures, speed_scale = measured_speedup(run_dir), 1.0
+    (speed_figures, speed_note), speed_scale = measured_speedup(run_dir), 1.0
     if speed_figures is None and "evaluate_drafter_speedup" in ref:  # keys: requests in flight, as JSON strings
         r = ref["evaluate_drafter_speedup"]
         speed_figures = r | {side: {int(c): v for c, v in r[side].items()} for side in SPEEDUP_SIDES}
         speed_figures["source"] = f"reference ({r['source']})" + (f" x {scale:.3g}" if round(scale, 3) != 1 else "")
         speed_scale = scale
+    if speed_note and speed_figures is not None:  # this run's file was (partly) unusable: said where it applies
+        speed_figures = speed_figures | {"source": f"{speed_figures['source']} ({speed_note})"}
     speedups = [speedup_estimate(c, eval_prompts, speed_figures, speed_scale) for c in (cfg, *variants.values())]
+    if speed_note and speed_figures is None:
+        speedups[0]["source"] += f" ({speed_note})"
     plan = []
     for stage, jobs, tokens, ref_key, s, disk, work in (
         ("generate_traces", shards, gen_tokens, None, scale, 0, {"prompts": n_prompts, "prompts_source": src_prompts}),
