@@ -92,3 +92,20 @@ def test_coverage_report():
 def test_no_supervised_tokens_is_an_error():
     with pytest.raises(InputError, match="no supervised tokens"):
         build_mapping(np.zeros(10, dtype=np.int64), 4)
+
+
+def test_the_vocab_counts_only_trace_shards_with_the_bytes_generation_recorded(tmp_path):
+    import json
+
+    from eagle3_pipeline.io import file_stat, sha256_file
+    from eagle3_pipeline.vocab import recorded_completions
+
+    shard = tmp_path / "shard-00000.jsonl"
+    shard.write_text("".join(json.dumps({"id": str(i), "completion_token_ids": [504, 7, i]}) + "\n" for i in range(3)))
+    summary = tmp_path / "shard-00000.summary.json"
+    summary.write_text(json.dumps({"traces_sha256": sha256_file(shard), "traces_stat": file_stat(shard)}))
+    assert list(recorded_completions([shard])) == [[504, 7, 0], [504, 7, 1], [504, 7, 2]]
+    # one token id changed after generation finished (same length, so only the bytes tell)
+    shard.write_text(shard.read_text().replace("504", "501", 1))
+    with pytest.raises(InputError, match=r"shard-00000\.jsonl: its bytes differ from what its producer recorded"):
+        list(recorded_completions([shard]))

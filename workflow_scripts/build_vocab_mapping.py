@@ -3,15 +3,15 @@
 import logging
 from pathlib import Path
 
-from eagle3_pipeline.io import read_jsonl, record_files, save_npy_atomic, write_json_atomic
+from eagle3_pipeline.io import record_files, save_npy_atomic, write_json_atomic
 from eagle3_pipeline.runtime import start_log
 from eagle3_pipeline.target_model import target_vocab_size
-from eagle3_pipeline.vocab import choose_mapping, count_supervised_tokens, coverage_report
+from eagle3_pipeline.vocab import choose_mapping, count_supervised_tokens, coverage_report, recorded_completions
 
 if __name__ == "__main__":
     sm = snakemake  # noqa: F821 (injected by Snakemake)
     start_log(sm.log[0])
-    completions = (t["completion_token_ids"] for path in sm.input.traces for t in read_jsonl(path))
+    completions = recorded_completions(sm.input.traces)  # each shard the bytes generation recorded
     counts = count_supervised_tokens(completions, target_vocab_size(sm.input.target, sm.params.trust_remote_code))
     d2t, t2d, origin = choose_mapping(counts, sm.params.draft_vocab_size, sm.params.init_from)
     for key, arr in (("token_freq", counts), ("d2t", d2t), ("t2d", t2d)):

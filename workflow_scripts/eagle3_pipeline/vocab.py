@@ -17,6 +17,23 @@ import numpy as np
 from .io import InputError
 
 
+def recorded_completions(trace_paths: Iterable[str | Path]) -> Iterable[list[int]]:
+    """Every trace's ``completion_token_ids`` (list of int target ids), shard by shard, each shard
+    first checked against the SHA-256 generation recorded in its ``.summary.json``
+    (:func:`eagle3_pipeline.generation.recorded_traces_sha256`), so the vocab is never counted from
+    bytes other than those generation wrote.
+
+    Raises:
+        InputError: a shard differs from its record (naming the shard, both hashes and what to do).
+    """
+    from .generation import recorded_traces_sha256
+    from .io import read_jsonl
+
+    for path in trace_paths:
+        recorded_traces_sha256(path)
+        yield from (t["completion_token_ids"] for t in read_jsonl(path))
+
+
 def count_supervised_tokens(completions: Iterable[Sequence[int]], target_vocab_size: int, *, batch_tokens: int = 1 << 22) -> np.ndarray:
     """Frequency of each target token id over the supervised (completion) tokens.
 
