@@ -14,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from train_support import write_random_train_inputs
@@ -86,3 +87,24 @@ def test_killed_training_resumes_to_the_same_weights(tmp_path, target_dir):
     assert [x["step"] for x in lines_got] == [x["step"] for x in lines_ref]
     assert [x.get("loss") for x in lines_got] == [x.get("loss") for x in lines_ref]
     assert not (killed / "train" / ".checkpoint").exists()
+
+
+def test_a_damaged_checkpoint_is_an_error_naming_it_and_a_missing_one_a_fresh_start(tmp_path, caplog):
+    import logging
+
+    from eagle3_pipeline.io import InputError
+    from eagle3_pipeline.training import TrainCheckpoint
+
+    ckpt = TrainCheckpoint(tmp_path / ".checkpoint", "fp")
+    ckpt.dir.mkdir()
+    torch.save({"fingerprint": "fp", "step": 3, "weights": torch.arange(100000)}, ckpt.dir / "state.pt")
+    assert ckpt.load()["step"] == 3
+    data = (ckpt.dir / "state.pt").read_bytes()
+    (ckpt.dir / "state.pt").write_bytes(data[: len(data) // 2])  # truncated after it was saved
+    with pytest.raises(InputError, match=r"state\.pt: the training checkpoint cannot be read .*Delete .*\.checkpoint and rerun"):
+        ckpt.load()
+    (ckpt.dir / "state.pt").unlink()
+    (ckpt.dir / "progress.json").write_text('{"step": 3}')
+    with caplog.at_level(logging.WARNING):
+        assert ckpt.load() is None
+    assert "has progress.json but no state.pt: training starts from step 0" in caplog.text

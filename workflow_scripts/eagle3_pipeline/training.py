@@ -613,10 +613,25 @@ class TrainCheckpoint:
         self.fingerprint = fingerprint
 
     def load(self) -> dict | None:
+        """The saved state, or None when there is none or it belongs to other inputs or settings.
+
+        Raises:
+            InputError: ``state.pt`` exists but cannot be read (truncated or damaged after it was
+                saved); the message names it and says to delete the checkpoint folder, which
+                restarts this training from step 0.
+        """
         path = self.dir / "state.pt"
         if not path.is_file():
+            if (self.dir / "progress.json").is_file():
+                logger.warning("%s has progress.json but no state.pt: training starts from step 0", self.dir)
             return None
-        state = torch.load(path, weights_only=False)
+        try:
+            state = torch.load(path, weights_only=False)
+        except Exception as e:  # torch raises RuntimeError, EOFError, UnpicklingError... for a damaged file
+            raise InputError(
+                f"{path}: the training checkpoint cannot be read ({type(e).__name__}: {str(e)[:200]}); it was damaged "
+                f"after it was saved. Delete {self.dir} and rerun: this training starts again from step 0"
+            ) from e
         if state.get("fingerprint") != self.fingerprint:
             logger.warning("ignoring the training checkpoint in %s: inputs or settings changed", self.dir)
             return None
