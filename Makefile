@@ -22,7 +22,7 @@ dry-run: setup
 	$(SNAKE) -n --cores $(CORES)
 
 test: setup lint $(TOKENIZERS)
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q --durations=40 tests
 
 # The unit tier: no snakemake run, no real target, no vLLM engine (under a minute).
 test-fast: setup

@@ -78,3 +78,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.e2e)
         if "target_dir" in names:
             item.add_marker(pytest.mark.model)
+
+
+def pytest_collection_finish(session):
+    """Start the SLURM test's workflow run now, in the background, when a SLURM test was collected
+    and the local cluster is up: its waiting on sbatch and status checks overlaps the other tests
+    (slurm_support)."""
+    if any(item.get_closest_marker("slurm") for item in session.items):
+        import slurm_support
+
+        slurm_support.start_in_background()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import slurm_support
+
+    slurm_support.stop_background()

@@ -18,16 +18,13 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from e2e_support import make_workdir, snakemake_cli
+from slurm_support import ACCOUNT, GPU_MODEL, GPU_RULES, PARTITION, SlurmRun, take_background
 
 ROOT = Path(__file__).resolve().parents[1]
 START = ROOT / "tests" / "slurm" / "start-local-slurm.sh"
 STOP = ROOT / "tests" / "slurm" / "stop-local-slurm.sh"
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
-# What start-local-slurm.sh sets up, filled into the profile's CHANGE placeholders.
-PARTITION, ACCOUNT, GPU_MODEL = "debug", "eagle3", "fake"
-GPU_RULES = {"generate_traces", "extract_hidden_states", "evaluate_drafter", "train_drafter"}
 THREADED_RULES = GPU_RULES | {"prepare_target_model"}  # threads: resources.threads (2)
 # Every job of the reduced run, as the plugin names it in the job comment: rule_<rule>[_wildcards_<values>]
 EXPECTED_JOBS = {
@@ -90,17 +87,6 @@ def slurm_cluster():
             subprocess.run(["bash", str(STOP)], capture_output=True, check=False)
 
 
-def filled_profile(dest: Path) -> dict:
-    """profiles/slurm with its partition, account and gpu_model placeholders set for the local cluster."""
-    profile = yaml.safe_load((ROOT / "profiles" / "slurm" / "config.yaml").read_text())
-    profile["default-resources"].update(slurm_partition=PARTITION, slurm_account=ACCOUNT)
-    for rule in GPU_RULES:
-        profile["set-resources"][rule]["gpu_model"] = GPU_MODEL
-    dest.mkdir(parents=True, exist_ok=True)
-    (dest / "config.yaml").write_text(yaml.safe_dump(profile))
-    return profile
-
-
 def sacct(*args: str) -> list[dict]:
     out = subprocess.run(
         ["sacct", "--parsable2", "--noheader", f"--format={','.join(SACCT_FIELDS)}", *args], capture_output=True, text=True, check=True
@@ -110,27 +96,22 @@ def sacct(*args: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def slurm_run(slurm_cluster, tmp_path_factory):
-    wd = tmp_path_factory.mktemp("slurm-wd")
-    cfg = make_workdir(wd)
-    profile = filled_profile(wd / "profile")
-    locks = wd / "host-locks"  # a full-model job with the host lock on would create it
-    r = snakemake_cli(
-        wd,
-        cfg,
-        "--profile",
-        str(wd / "profile"),
-        "--slurm-init-seconds-before-status-checks",
-        "1",  # first status check after 1 s, not 40 (the plugin adds 10 s per check while nothing finishes)
-        cwd=wd,
-        env={**os.environ, "EAGLE3_LOCK_DIR": str(locks)},
-        timeout=900,
-    )
-    assert r.returncode == 0, r.stderr[-6000:]
-    (run_id,) = re.findall(r"SLURM run ID: (\S+)", r.stderr)
-    submitted = re.findall(r"Job \d+ has been submitted with SLURM jobid (\d+)", r.stderr)
-    rows = sacct("--allocations", "--name", run_id)
-    steps = sacct("--jobs", ",".join(j["JobIDRaw"] for j in rows)) if rows else []
-    return SimpleNamespace(wd=wd, res=wd / "results" / "e2e", profile=profile, locks=locks, submitted=submitted, jobs=rows, steps=steps)
+    """The run started when pytest collected this module (slurm_support), or started now."""
+    bg = take_background()
+    run = bg or SlurmRun(tmp_path_factory.mktemp("slurm-wd"))
+    try:
+        r = run.wait()
+        assert r.returncode == 0, r.stderr[-6000:]
+        (run_id,) = re.findall(r"SLURM run ID: (\S+)", r.stderr)
+        submitted = re.findall(r"Job \d+ has been submitted with SLURM jobid (\d+)", r.stderr)
+        rows = sacct("--allocations", "--name", run_id)
+        steps = sacct("--jobs", ",".join(j["JobIDRaw"] for j in rows)) if rows else []
+        yield SimpleNamespace(
+            wd=run.wd, res=run.wd / "results" / "e2e", profile=run.profile, locks=run.locks, submitted=submitted, jobs=rows, steps=steps
+        )
+    finally:
+        if bg is not None:
+            bg.stop()  # not a pytest temporary directory: removed here
 
 
 def test_every_job_went_through_sbatch_with_the_profile_resources(slurm_run):
@@ -176,7 +157,9 @@ def _json_without_run_specifics(path: Path, wd: Path):
             return {k: norm(v) for k, v in x.items() if not re.search(drop, k)}
         if isinstance(x, list):
             return [norm(v) for v in x]
-        if isinstance(x, str):  # the run directory, and the start plan's name (its UTC start time)
+        if isinstance(x, str):  # the run directory, and the start plan's name (its UTC start time); the local
+            # run also measures the speedup (e2e_support.SMALL_WITH_SPEEDUP), which its plan's source names
+            x = re.sub(r"; speedup measurement \d+ s: .*", "", x, flags=re.S)
             return re.sub(r"start-\d{8}T\d{6}\.\d+Z\.json", "start-<time>.json", x.replace(str(wd), "<wd>"))
         return x
 

@@ -124,7 +124,8 @@ def test_each_variant_uses_the_run_vocab_and_drafter_unless_its_settings_differ(
 
 SWEEP = {
     "k1": {"evaluation": {"num_speculative_tokens": 1}},  # the run's drafter, evaluated with k = 1
-    "ttt1": {"training": {"ttt_steps": 1, "epochs": 1}},  # a drafter of its own, on the run's vocab
+    # a drafter of its own, on the run's vocab, trained with the default optimizer (the reduced config's is AdamW)
+    "ttt1": {"training": {"ttt_steps": 1, "epochs": 1, "optimizer": "muon"}},
     "v1k": {"vocab": {"draft_vocab_size": 1024}},  # its own vocab and drafter
 }
 
@@ -181,13 +182,13 @@ def test_a_sweep_on_a_finished_run_trains_and_evaluates_only_the_variants(e2e_ru
     assert rows["k1"]["tau"] == k1["acceptance_length"] and rows["k1"]["train_seconds"] is None
     ttt1 = json.loads((res / "sweep/ttt1/train/summary.json").read_text())
     assert ttt1["ttt_steps"] == 1 and ttt1["epochs"] == 1
-    assert rows["ttt1"]["changes"] == {"training.epochs": 1, "training.ttt_steps": 1}
+    assert rows["ttt1"]["changes"] == {"training.epochs": 1, "training.optimizer": "muon", "training.ttt_steps": 1}
     assert rows["ttt1"]["train_seconds"] == ttt1["seconds"] and rows["ttt1"]["num_speculative_tokens"] == 1
     assert (
         json.loads((res / "sweep/ttt1/drafter/config.json").read_text())["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
         == 1
     )
-    assert "| ttt1 | training.epochs=1, training.ttt_steps=1 |" in (res / "sweep.md").read_text()
+    assert "| ttt1 | training.epochs=1, training.optimizer=muon, training.ttt_steps=1 |" in (res / "sweep.md").read_text()
     # the manifest covers the variants' files, each with the job that wrote it
     arts = json.loads((res / "manifest.json").read_text())["artifacts"]
     assert arts["sweep/ttt1/train/summary.json"]["rule"] == "train_drafter_variant"

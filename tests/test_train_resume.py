@@ -2,7 +2,7 @@
 reads its batches with loader processes).
 
 AdamW: the checkpoint saves and restores every optimizer's ``state_dict`` the same way; Muon
-(the default, which the end-to-end run trains with) would cost ~12 s of bf16 Newton-Schulz
+(the default, which the sweep test's variant trains with) would cost ~12 s of bf16 Newton-Schulz
 steps per step on a CPU without AVX-512, and this test takes 12 steps."""
 
 import json
