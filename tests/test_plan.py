@@ -710,3 +710,22 @@ def test_unusable_speedup_rows_are_left_out_counted_and_named(tmp_path):
     assert "evaluate_drafter" not in measured(run)
     acc_path.write_text(json.dumps({"output_tokens": 1280, "seconds": 50.0, "model_load_seconds": float("inf")}))
     assert "evaluate_drafter" not in measured(run)
+
+
+def test_the_evaluation_is_planned_for_the_prompts_its_source_has(tmp_path):
+    """max_prompts above the source's count plans the source's questions (MT-Bench has 80; a file
+    its non-blank lines), as prepare_eval_prompts cuts them; below it, max_prompts."""
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"turns": [f"question {i}"]}) + "\n" for i in range(7)) + "\n")
+
+    def evaluation(ev):
+        plan = _by_stage(make_plan(validate_config({"evaluation": ev}), BUILTIN_SHAPE, tmp_path / "run", "cpu_fp32"))
+        e = plan["evaluate_drafter"]
+        return e.tokens, e.work["tokens_source"]
+
+    assert evaluation({"max_prompts": 100_000}) == (80 * 256, "MT-Bench's 80 first turns x max_tokens")
+    assert evaluation({"max_prompts": 5}) == (5 * 256, "evaluation.max_prompts (MT-Bench's 80 first turns cut to 5) x max_tokens")
+    own = {"prompts": {"type": "file", "path": str(questions)}, "max_tokens": 10}
+    assert evaluation(own | {"max_prompts": 1000})[0] == 7 * 10
+    assert evaluation(own)[1] == f"the 7 questions of {questions} x max_tokens"
+    assert evaluation(own | {"prompts": {"type": "file", "path": str(tmp_path / "none.jsonl")}})[0] == 80 * 10

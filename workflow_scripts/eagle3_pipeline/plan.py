@@ -147,6 +147,32 @@ def _stage_files(lay: RunLayout, stage: str) -> list[Path]:
     return sorted(Path(lay.dir).glob(rel.as_posix()))
 
 
+#: MT-Bench's first turns (``evaluation.prompts: {type: builtin_mtbench}``).
+MTBENCH_PROMPTS = 80
+
+
+def eval_prompt_count(cfg: dict) -> tuple[int, str]:
+    """The prompts one evaluation decodes (each to ``evaluation.max_tokens``), and where the count comes from.
+
+    The source's questions (MT-Bench's 80, or the non-blank lines of ``evaluation.prompts.path``;
+    80 where that file cannot be read yet), cut to ``evaluation.max_prompts`` as
+    prepare_eval_prompts cuts them: a ``max_prompts`` above the source's count plans the source's.
+    """
+    source, cap = cfg["evaluation"]["prompts"], cfg["evaluation"].get("max_prompts")
+    if source["type"] == "builtin_mtbench":
+        n, src = MTBENCH_PROMPTS, "MT-Bench's 80 first turns"
+    else:
+        try:
+            with open(source["path"], "rb") as f:
+                n = sum(1 for line in f if line.strip())
+            src = f"the {n} questions of {source['path']}"
+        except OSError:
+            n, src = MTBENCH_PROMPTS, f"80 ({source['path']} not readable yet)"
+    if cap is not None and cap < n:
+        return cap, f"evaluation.max_prompts ({src} cut to {cap})"
+    return n, src
+
+
 def _positive(x, allow_zero: bool = False) -> bool:
     """A finite int or float above 0 (or at 0 with ``allow_zero``), not a bool."""
     import math
@@ -274,7 +300,7 @@ def speedup_estimate(cfg: dict, eval_prompts: int, figures: dict | None, scale: 
 
     Args:
         cfg: the run's (or a sweep variant's) validated config.
-        eval_prompts: the evaluation prompts (80 unless ``evaluation.max_prompts``).
+        eval_prompts: the prompts one evaluation decodes (:func:`eval_prompt_count`).
         figures: :func:`measured_speedup`'s form (a reference's ``evaluate_drafter_speedup`` or
             this run's measurement), or None where there is none.
         scale: throughput factor for a target of another size than the figures' (as the plan
@@ -404,7 +430,7 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
     ext_tokens = int(n_ok * (p_tok + c_tok))
     epochs = cfg["training"]["epochs"]
     train_fraction = 1.0 - cfg["training"]["val_fraction"]
-    eval_prompts = int(cfg["evaluation"].get("max_prompts") or 80)
+    eval_prompts, eval_src = eval_prompt_count(cfg)
     eval_tokens = eval_prompts * cfg["evaluation"]["max_tokens"]
     # sweep variants: more trainings (those with a drafter of their own) and evaluations, each
     # planned like the run's own
@@ -446,7 +472,7 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
             0,
             {
                 "max_tokens": cfg["evaluation"]["max_tokens"],
-                "tokens_source": "evaluation prompts (80 unless evaluation.max_prompts) x max_tokens",
+                "tokens_source": f"{eval_src} x max_tokens",
                 "speedup_seconds": round(sum(x["seconds"] for x in speedups), 1),
                 "speedup_source": speedups[0]["source"],
             },
