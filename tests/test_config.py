@@ -250,3 +250,9 @@ def test_command_line_strings_become_the_schema_types_in_lists_too():
     assert cfg["prompts"]["sources"] == [{"type": "builtin_sharegpt"}]
     with pytest.raises(ConfigError, match=r"extraction.aux_layer_ids.1: 'x' is not of type 'integer'"):
         validate_config({"extraction": {"aux_layer_ids": ["1", "x", "27"]}})
+
+
+def test_speedup_concurrencies_are_measured_in_ascending_order():
+    assert validate_config({"evaluation": {"speedup": {"concurrency": [64, 1, 16]}}})["evaluation"]["speedup"]["concurrency"] == [1, 16, 64]
+    with pytest.raises(ConfigError, match="non-unique"):
+        validate_config({"evaluation": {"speedup": {"concurrency": [4, 4]}}})

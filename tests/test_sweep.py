@@ -39,6 +39,8 @@ def test_variant_configs_merge_the_variant_into_the_run_settings():
         ({"evaluation": {"max_prompts": 5}}, "sweep.variants.bad.evaluation.max_prompts"),
         ({"training": {"epochs": 3}}, "sweep.variants.bad: changes nothing"),
         ({"training": {"loader_workers": 2}}, "sweep.variants.bad: changes nothing"),
+        # the same measurements in another order (the run's default is [1, 16, 64])
+        ({"evaluation": {"speedup": {"concurrency": [64, 1, 16]}}}, "sweep.variants.bad: changes nothing"),
     ],
 )
 def test_a_bad_variant_is_an_error_naming_it(variant, message):

@@ -245,6 +245,8 @@ def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) 
             ``training.lrr: Additional properties are not allowed ('lrr' was unexpected)``,
             or ``vllm.replicas_per_gpu`` > 1 with a multi-GPU engine, or
             ``generation.answers_per_prompt`` > 1 with greedy decoding (temperature 0).
+
+    Normalized: ``evaluation.speedup.concurrency`` ascending.
     """
     schema = load_schema(schema_path)
     cfg = copy.deepcopy(config) if config else {}
@@ -257,6 +259,10 @@ def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) 
             where = ".".join(str(p) for p in e.absolute_path) or "<top level>"
             lines.append(f"  {where}: {e.message}")
         raise ConfigError("invalid configuration (see config/schema.yaml):\n" + "\n".join(lines))
+    # measured in ascending order whatever the order given: an order is not a setting of its own
+    # (a sweep variant that only reorders them changes nothing)
+    speed = cfg["evaluation"]["speedup"]
+    speed["concurrency"] = sorted(speed["concurrency"])
     g = cfg["generation"]
     if g["answers_per_prompt"] > 1 and g["temperature"] == 0:
         raise ConfigError(
