@@ -16,19 +16,20 @@ from eagle3_pipeline.resume import ChunkStore, chunk_ranges, todo_chunks
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _holder(tmp_path: Path, seconds: float, marker: str) -> subprocess.Popen:
+def _holder(tmp_path: Path, seconds: float, marker: str, lock: str = "host_lock(poll_seconds=0.1)") -> subprocess.Popen:
     code = textwrap.dedent(
         f"""
         import sys, time
         sys.path.insert(0, {str(ROOT / "workflow_scripts")!r})
-        from eagle3_pipeline.hygiene import host_lock
-        with host_lock(poll_seconds=0.1):
+        from eagle3_pipeline.hygiene import host_lock, output_lock
+        with {lock}:
             open({str(tmp_path / marker)!r}, "a").write(f"start {{time.time()}}\\n")
             time.sleep({seconds})
             open({str(tmp_path / marker)!r}, "a").write(f"end {{time.time()}}\\n")
         """
     )
-    return subprocess.Popen([sys.executable, "-c", code], env={"EAGLE3_LOCK_DIR": str(tmp_path / "locks"), "PATH": "/usr/bin:/bin"})
+    output = str(tmp_path / "train" / "summary.json")  # output_lock's output
+    return subprocess.Popen([sys.executable, "-c", code, output], env={"EAGLE3_LOCK_DIR": str(tmp_path / "locks"), "PATH": "/usr/bin:/bin"})
 
 
 def _interval(path: Path) -> tuple[float, float]:
@@ -36,10 +37,15 @@ def _interval(path: Path) -> tuple[float, float]:
     return float(d["start"]), float(d["end"])
 
 
-def test_two_processes_never_hold_the_host_lock_together(tmp_path):
-    a = _holder(tmp_path, 1.5, "a")
+# the host-wide lock, and the lock of one output (a training's, beside it: hygiene.output_lock_path)
+LOCKS = ["host_lock(poll_seconds=0.1)", "output_lock(sys.argv[1], poll_seconds=0.1)"]
+
+
+@pytest.mark.parametrize("lock", LOCKS)
+def test_two_processes_never_hold_the_host_lock_together(tmp_path, lock):
+    a = _holder(tmp_path, 1.5, "a", lock)
     time.sleep(0.5)
-    b = _holder(tmp_path, 0.2, "b")
+    b = _holder(tmp_path, 0.2, "b", lock)
     assert a.wait(30) == 0 and b.wait(30) == 0
     (a0, a1), (b0, b1) = _interval(tmp_path / "a"), _interval(tmp_path / "b")
     assert a0 < a1 <= b0 < b1  # b waited for a

@@ -108,3 +108,28 @@ def test_a_damaged_checkpoint_is_an_error_naming_it_and_a_missing_one_a_fresh_st
     with caplog.at_level(logging.WARNING):
         assert ckpt.load() is None
     assert "has progress.json but no state.pt: training starts from step 0" in caplog.text
+
+
+def test_a_training_finished_by_the_job_of_a_killed_snakemake_is_kept_by_its_rerun(tmp_path, target_dir):
+    """The rerun's job waits for the job its killed snakemake left (hygiene.output_lock), then finds
+    that job's drafter, metrics and summary: kept when the summary names this training's fingerprint,
+    trained again when it names another (other inputs or settings)."""
+    from eagle3_pipeline.training import train
+
+    write_random_train_inputs(tmp_path, 8)
+    cfg = validate_config({"training": {"epochs": 1, "pack_tokens": 256, "val_fraction": 0.25, "optimizer": "adamw"}})["training"]
+    out, metrics, summary_path = tmp_path / "drafter", tmp_path / "train" / "metrics.jsonl", tmp_path / "train" / "summary.json"
+
+    def run():
+        args = [str(tmp_path / "shard-00000.safetensors")], str(tmp_path / "vocab"), str(target_dir), str(out), str(metrics), cfg
+        return train(*args, seed=0, max_seq_len=256, summary_path=str(summary_path))
+
+    first = run()  # the job that outlived its snakemake; train_drafter.py writes its summary
+    summary_path.write_text(json.dumps(first))
+    before = {p: p.stat().st_mtime_ns for p in (metrics, out / "model.safetensors")}
+    assert run() == first
+    assert {p: p.stat().st_mtime_ns for p in before} == before  # nothing trained or written again
+    summary_path.write_text(json.dumps(first | {"fingerprint": "0" * 64}))  # another training's outputs
+    again = run()
+    assert again["fingerprint"] == first["fingerprint"] and again["steps"] == first["steps"]
+    assert metrics.stat().st_mtime_ns != before[metrics]

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from eagle3_pipeline.config import runtime_settings
-from eagle3_pipeline.hygiene import host_lock
+from eagle3_pipeline.hygiene import host_lock, output_lock
 from eagle3_pipeline.io import write_json_atomic
 from eagle3_pipeline.runtime import peak_memory, start_log
 from eagle3_pipeline.training import run_training
@@ -18,7 +18,9 @@ if __name__ == "__main__":
     # in a sweep, trainings take the full-model lock (rules/common.smk: TRAIN_FULL_MODEL), and the
     # host-wide one with it, so that no evaluation of another snakemake on this host shares the GPU
     lock = sm.config["resources"]["host_lock"] and int(sm.resources.get("full_model", 0)) > 0
-    with host_lock(enabled=lock):
+    # the job of a snakemake killed alone lives on: this one waits for it, then keeps what it
+    # finished (summary_path) or resumes from its checkpoint
+    with output_lock(sm.output.summary), host_lock(enabled=lock):
         summary = run_training(
             {
                 "shards": list(sm.input.shards),
@@ -31,8 +33,10 @@ if __name__ == "__main__":
                 "seed": sm.params.seed,
                 "max_seq_len": sm.params.max_seq_len,
                 "trust_remote_code": sm.params.trust_remote_code,
+                "summary_path": sm.output.summary,
             },
             sm.params.train_processes,
         )
-    write_json_atomic(sm.output.summary, summary | peak_memory())
+        # a summary kept from the job that finished these outputs keeps that job's peak memory
+        write_json_atomic(sm.output.summary, peak_memory() | summary)
     logging.getLogger("train_drafter").info("training: %s", summary)

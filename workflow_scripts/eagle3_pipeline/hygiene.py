@@ -1,4 +1,4 @@
-"""Host hygiene for full-model stages: a host-wide lock and a disk preflight.
+"""Host hygiene for full-model stages: a host-wide lock, a lock per output and a disk preflight.
 
 Snakemake's ``full_model`` resource serializes full-model jobs within one invocation;
 two invocations on the same host (two runs, two users) do not see each other's
@@ -46,7 +46,35 @@ def host_lock(name: str = "full-model", *, enabled: bool = True, poll_seconds: f
     d.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(PermissionError):
         os.chmod(d, 0o1777)  # shared by every user of the host, like /tmp
-    path = d / f"{name}.lock"
+    with _flock(d / f"{name}.lock", f"the host-wide {name} lock", poll_seconds):
+        yield
+
+
+def output_lock_path(output: str | os.PathLike) -> Path:
+    """The lock file of a job's output: ``.<name>.lock`` beside it (not an output itself)."""
+    p = Path(output)
+    return p.parent / f".{p.name}.lock"
+
+
+@contextlib.contextmanager
+def output_lock(output: str | os.PathLike, *, poll_seconds: float = 5.0) -> Iterator[None]:
+    """Hold the lock of ``output`` (:func:`output_lock_path`) for the duration of the block.
+
+    Two jobs that write the same outputs never run at once: the job of a snakemake that was
+    killed alone lives on, and its rerun's job waits here until it ends (then keeps what it
+    finished, or resumes from its checkpoint). The lock file lives beside the output, so it
+    also holds across the nodes of a cluster whose shared filesystem supports ``flock``.
+    """
+    path = output_lock_path(output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _flock(path, f"the lock of {output}", poll_seconds):
+        yield
+
+
+@contextlib.contextmanager
+def _flock(path: Path, what: str, poll_seconds: float) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` (created), waited for with a log line naming the holder
+    every minute; the holder's pid and command are written into the file."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
         waited = 0.0
@@ -57,11 +85,11 @@ def host_lock(name: str = "full-model", *, enabled: bool = True, poll_seconds: f
             except BlockingIOError:
                 if waited == 0.0 or waited % 60 < poll_seconds:
                     holder = Path(path).read_text(errors="replace").strip() or "unknown"
-                    logger.info("waiting for the host-wide %s lock %s, held by %s", name, path, holder)
+                    logger.info("waiting for %s %s, held by %s", what, path, holder)
                 time.sleep(poll_seconds)
                 waited += poll_seconds
         if waited:
-            logger.info("acquired the host-wide %s lock after %.0f s", name, waited)
+            logger.info("acquired %s after %.0f s", what, waited)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()}: {' '.join(_cmdline())}\n".encode(), 0)
         yield

@@ -183,7 +183,7 @@ def finished_by_another_job(record_path: str | os.PathLike, outputs: Sequence[st
         return None
     if not isinstance(record, dict) or record.get("fingerprint") != fingerprint:
         return None
-    logger.info("%s: finished by another job of this shard while this one waited for the host-wide lock; keeping its output", rec)
+    logger.info("%s: finished by another job of these outputs while this one waited for its lock; keeping its output", rec)
     return record
 
 

@@ -30,6 +30,7 @@ import torch
 from .conventions import drafter_aux_columns, prompt_of, repetition_loop
 from .io import InputError, atomic_dir, record_files, sha256_file, sha256_json, write_text_atomic
 from .layout import CHECKPOINT_DIR
+from .resume import finished_by_another_job
 from .runtime import Timer, progress
 from .shards import ShardReader
 
@@ -702,6 +703,7 @@ def train(
     seed: int,
     max_seq_len: int,
     trust_remote_code: bool = False,
+    summary_path: str | None = None,
 ) -> dict:
     """Train a drafter and write it (speculators format) to ``out_dir``.
 
@@ -716,9 +718,14 @@ def train(
         max_seq_len: the pipeline's sequence limit in tokens; packs hold
             ``max(cfg["pack_tokens"], max_seq_len)`` tokens so no sample is cut.
         trust_remote_code: allow the target's own config code.
+        summary_path: where the caller writes the returned summary: when it, ``out_dir`` and
+            ``metrics_path`` exist and it names this training's ``fingerprint`` (inputs and
+            settings), another job of these outputs finished them (one that outlived its
+            snakemake, waited for under :func:`eagle3_pipeline.hygiene.output_lock`), and that
+            summary is returned without training again.
 
     Returns:
-        a summary dict (steps, tokens seen, tokens/s, final validation metrics).
+        a summary dict (steps, tokens seen, tokens/s, final validation metrics, ``fingerprint``).
 
     Raises:
         InputError: shards disagree on layer ids, ``cfg["aux_layer_ids"]`` are not stored
@@ -738,6 +745,10 @@ def train(
     fingerprint = _train_fingerprint(
         shards, vocab_dir, target_path, {**cfg, "world_size": world, "loader_workers": None}, seed, max_seq_len
     )
+    if summary_path is not None:
+        done = finished_by_another_job(summary_path, [out_dir, metrics_path], fingerprint)
+        if done is not None:
+            return done
     readers = [ShardReader(p) for p in shards]
     layer_ids = readers[0].layer_ids
     for r in readers:
@@ -998,6 +1009,7 @@ def train(
         if warm_mark and train_seconds > warm_mark[0] and tokens_seen > warm_mark[1]
         else None,
         "resumed_from_step": state["step"] if state is not None else None,
+        "fingerprint": fingerprint,
         "device": device,
         "hidden_states_dtype": str(hs_dtype).removeprefix("torch."),
         "autocast": str(autocast).removeprefix("torch.") if autocast is not None else "none",
