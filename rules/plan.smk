@@ -1,10 +1,15 @@
 # Plans: `snakemake plan` previews a run; a real run keeps the plan it starts with (onstart) and,
 # when it stops early, says what a rerun resumes from (onerror). Library: eagle3_pipeline/plan.py,
 # the hooks' bodies in eagle3_pipeline/snakemake_adapter.py (the module that reads Snakemake's DAG).
-from eagle3_pipeline.snakemake_adapter import print_resume_hint, print_start_plan
+from eagle3_pipeline.snakemake_adapter import (
+    check_pending_inputs,
+    print_resume_hint,
+    print_start_plan,
+)
 
 
 onstart:
+    check_pending_inputs(workflow)
     print_start_plan(
         workflow, config, layout, None if is_builtin_target() else get_target_dir()
     )

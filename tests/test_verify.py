@@ -258,3 +258,45 @@ def test_after_snakemake_touches_an_output_one_consumer_hashes_it_and_the_rest_t
     assert json.loads((tmp_path / ".sha256-checked.json").read_text())["shard.safetensors"]["sha256"] == digest
     os.utime(f)  # touched again: hashed again
     assert checked_sha256(f, digest, stat, "idx.json") == digest and len(reads) == 2
+
+
+def test_recorded_input_problems_names_altered_files_and_skips_unrecorded_ones(tmp_path):
+    from eagle3_pipeline.io import record_files
+    from eagle3_pipeline.verify import recorded_input_problems
+
+    traces, hs = make_run(tmp_path)
+    vocab = tmp_path / "vocab"
+    vocab.mkdir()
+    np.save(vocab / "d2t.npy", np.arange(4))
+    record_files(vocab)
+    loose = tmp_path / "notes.jsonl"  # no record: left to its stage
+    loose.write_text("{}\n")
+    paths = [str(p) for p in (traces, hs, vocab / "d2t.npy", loose, tmp_path / "missing.safetensors")]
+    assert recorded_input_problems(paths) == []
+    traces.write_text('{"id": "a"}\n{"id": "c"}\n')
+    np.save(vocab / "d2t.npy", np.arange(5))
+    problems = recorded_input_problems(paths)
+    assert len(problems) == 2
+    assert problems[0].startswith(f"{traces}: its bytes differ from what its producer recorded in {tmp_path / 'shard-00000.summary.json'}")
+    assert problems[1].startswith(f"{vocab / 'd2t.npy'}: its bytes differ from what its producer recorded")
+
+
+@pytest.mark.e2e
+def test_a_run_whose_inputs_were_altered_stops_before_snakemake_deletes_anything(e2e_run, tmp_path):
+    """A trace shard edited after its hidden states were extracted: Snakemake reruns extraction (the
+    traces are newer) and would delete the shard's hidden states before extraction refused the
+    traces; the run stops at its start instead, naming the file, with every output still there."""
+    import shutil
+
+    src, _, _ = e2e_run
+    wd = tmp_path / "wd"
+    shutil.copytree(src, wd, symlinks=True)
+    res = wd / "results" / "e2e"
+    traces = res / "traces" / "shard-00001.jsonl"
+    traces.write_text(traces.read_text() + "\n")  # one more byte: the records themselves read the same
+    kept = {p: p.stat().st_mtime_ns for p in (res / "hidden_states" / "shard-00001.safetensors", res / "vocab" / "d2t.npy")}
+    r = snakemake_cli(wd, wd / "small.yaml", "--cores", "2", "--resources", "mem_gb=100", cwd=wd)
+    assert r.returncode != 0
+    assert "input file(s) of pending jobs differ from what their producers recorded; nothing was run or deleted" in r.stderr
+    assert "results/e2e/traces/shard-00001.jsonl: its bytes differ from what its producer recorded in" in r.stderr
+    assert {p: p.stat().st_mtime_ns for p in kept} == kept

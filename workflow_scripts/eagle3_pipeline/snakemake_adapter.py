@@ -164,6 +164,31 @@ def target_rules(workflow) -> set[str]:
         return set()
 
 
+def check_pending_inputs(workflow) -> None:
+    """The ``onstart`` hook's first step: refuse the run before any job starts (and before Snakemake
+    deletes the outputs of the jobs it reruns) when a file a pending job reads, and no pending job
+    remakes, differs from what its producer recorded (:func:`eagle3_pipeline.verify.recorded_input_problems`),
+    e.g. a trace shard edited after generation, which would otherwise stop extraction only after
+    Snakemake deleted the shard's good hidden states.
+
+    Raises:
+        snakemake.exceptions.WorkflowError: naming every such file, both hashes and what to do.
+    """
+    from snakemake.exceptions import WorkflowError
+
+    from .verify import recorded_input_problems
+
+    jobs = needrun_jobs(workflow)
+    remade = {o for j in jobs for o in j["output"]}
+    inputs = sorted({f for j in jobs for f in j["input"] if not any(str(q) in remade for q in (Path(f), *Path(f).parents))})
+    problems = recorded_input_problems(inputs)
+    if problems:
+        raise WorkflowError(
+            f"{len(problems)} input file(s) of pending jobs differ from what their producers recorded; nothing was "
+            "run or deleted:\n" + "\n".join(f"  {p}" for p in problems)
+        )
+
+
 def print_start_plan(workflow, config: dict, layout: RunLayout, target_dir: str | None) -> None:
     """The ``onstart`` hook: the plan of the jobs Snakemake's DAG will run, printed and kept as
     :meth:`RunLayout.start_plan`, when any planned stage has a pending job (so not for

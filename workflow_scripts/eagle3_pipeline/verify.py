@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 from .generation import traces_summary_path
@@ -65,6 +66,43 @@ def _check_hidden_shard(path: Path, hasher: Hasher) -> list[str]:
             )
     except Exception as e:  # a damaged header raises from safetensors
         problems.append(f"{path}: unreadable ({type(e).__name__}: {e})")
+    return problems
+
+
+def recorded_input_problems(paths: Iterable[str | os.PathLike]) -> list[str]:
+    """What is wrong with files stages are about to read, each checked against its producer's
+    record as the stage that reads it checks it, so a run can refuse at its start, before
+    Snakemake deletes the outputs of the jobs it reruns.
+
+    Checked: a trace shard with its ``.summary.json`` (:func:`eagle3_pipeline.generation.recorded_traces_sha256`),
+    a hidden-state shard with its ``.index.json`` (``sha256``), and a directory with a record of its
+    files, or a file in one (:func:`eagle3_pipeline.io.check_recorded_files`: the vocabulary, a
+    drafter). Each by :func:`eagle3_pipeline.io.checked_sha256`: a file unwritten since it was last
+    hashed is not read again. Files without a record, and missing files, are left to their stage.
+
+    Returns:
+        one line per problem (the stage's own error message, naming the file, both hashes and what
+        to do); empty when every recorded file is as its producer wrote it.
+    """
+    from .generation import recorded_traces_sha256
+    from .io import FILES_RECORD, InputError, check_recorded_files, checked_sha256, read_record
+    from .layout import index_beside, summary_beside
+
+    problems, dirs = [], set()
+    for p in map(Path, paths):
+        try:
+            if p.is_dir() or (p.is_file() and (p.parent / FILES_RECORD).is_file()):
+                d = p if p.is_dir() else p.parent
+                if d not in dirs and (d / FILES_RECORD).is_file():
+                    dirs.add(d)
+                    check_recorded_files(d)
+            elif p.is_file() and p.suffix == ".jsonl" and summary_beside(p).is_file():
+                recorded_traces_sha256(p)
+            elif p.is_file() and p.suffix == ".safetensors" and index_beside(p).is_file():
+                m = read_record(index_beside(p))
+                checked_sha256(p, m.get("sha256"), m.get("stat"), str(index_beside(p)))
+        except InputError as e:
+            problems.append(str(e))
     return problems
 
 
