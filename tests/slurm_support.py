@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 import yaml
-from e2e_support import ROOT, make_workdir
+from e2e_support import IN_PROCESS_ENGINES, ROOT, make_workdir
 
 # What start-local-slurm.sh sets up, filled into the profile's CHANGE placeholders.
 PARTITION, ACCOUNT, GPU_MODEL = "debug", "eagle3", "fake"
@@ -58,7 +58,7 @@ class SlurmRun:
         cmd = [sys.executable, "-m", "snakemake", "--profile", str(wd / "profile"), "-s", str(ROOT / "Snakefile"), "-d", str(wd)]
         cmd += ["--configfile", str(cfg), "--slurm-init-seconds-before-status-checks", "1"]  # first check after 1 s, not 40
         self._out, self._err = (wd / "snakemake.stdout").open("w"), (wd / "snakemake.stderr").open("w")
-        env = {**os.environ, "EAGLE3_LOCK_DIR": str(self.locks)}
+        env = {**os.environ, **IN_PROCESS_ENGINES, "EAGLE3_LOCK_DIR": str(self.locks)}
         self.proc = subprocess.Popen(cmd, cwd=wd, env=env, stdout=self._out, stderr=self._err, text=True, start_new_session=True)
 
     def wait(self, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
