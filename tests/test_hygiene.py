@@ -199,3 +199,22 @@ def test_git_holds_no_run_output():
     assert not [f for f in files if f.split("/")[0] in ("results", "logs", "resources", ".snakemake")]
     allowed = re.compile(r"benchmarks/([a-z0-9_]+\.(py|sh)|README\.md|results/[a-z0-9_]+\.json)")
     assert [f for f in files if f.startswith("benchmarks/") and not allowed.fullmatch(f)] == []
+
+
+def test_a_filesystem_without_flock_runs_the_block_with_a_warning(tmp_path, monkeypatch, caplog):
+    """Some Lustre mounts refuse flock (ENOSYS): the training beside its outputs still runs."""
+    import errno
+    import fcntl
+    import logging
+
+    from eagle3_pipeline.hygiene import output_lock, output_lock_path
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    ran = []
+    with caplog.at_level(logging.WARNING), output_lock(tmp_path / "train" / "summary.json"):
+        ran.append(True)
+    assert ran == [True] and output_lock_path(tmp_path / "train" / "summary.json") == tmp_path / "train" / ".summary.json.lock"
+    assert "cannot be taken on this filesystem" in caplog.text and "Function not implemented" in caplog.text

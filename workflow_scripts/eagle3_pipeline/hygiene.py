@@ -74,7 +74,8 @@ def output_lock(output: str | os.PathLike, *, poll_seconds: float = 5.0) -> Iter
 @contextlib.contextmanager
 def _flock(path: Path, what: str, poll_seconds: float) -> Iterator[None]:
     """An exclusive ``flock`` on ``path`` (created), waited for with a log line naming the holder
-    every minute; the holder's pid and command are written into the file."""
+    every minute; the holder's pid and command are written into the file. On a filesystem without
+    ``flock`` (some Lustre mounts raise ENOSYS) the block runs without the lock, with a warning."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
         waited = 0.0
@@ -88,6 +89,10 @@ def _flock(path: Path, what: str, poll_seconds: float) -> Iterator[None]:
                     logger.info("waiting for %s %s, held by %s", what, path, holder)
                 time.sleep(poll_seconds)
                 waited += poll_seconds
+            except OSError as e:  # not a lock held by another process: the filesystem has no flock
+                logger.warning("%s: %s cannot be taken on this filesystem (%s); going on without it", path, what, e)
+                yield
+                return
         if waited:
             logger.info("acquired %s after %.0f s", what, waited)
         os.ftruncate(fd, 0)
