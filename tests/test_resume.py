@@ -112,7 +112,7 @@ def test_a_shard_finished_by_a_job_that_outlived_its_snakemake_is_kept(tmp_path,
             shutil.copy2(reference_extraction / name, tmp_path / name)
     assert job.wait(timeout=300) == 0, (tmp_path / "err.txt").read_text()[-3000:]
     log = (tmp_path / "err.txt").read_text()
-    assert "finished by another job of this shard while this one waited for the host-wide lock; keeping its output" in log
+    assert "finished by another job of these outputs while this one waited for its lock; keeping its output" in log
     for name in ("shard-00000.safetensors", "shard-00000.index.json"):  # not extracted again (its timings would differ)
         assert (tmp_path / name).read_bytes() == (reference_extraction / name).read_bytes()
     assert not (tmp_path / ".shard-00000.safetensors.partial").exists()
