@@ -664,19 +664,11 @@ def _train_fingerprint(shards: list[str], vocab_dir: str, target_path: str, cfg:
         InputError: a shard's bytes differ from its index's record, or a vocab file's from
             build_vocab_mapping's record.
     """
-    from .io import check_recorded_files, checked_sha256, read_record
-    from .shards import shard_index_path
+    from .io import check_recorded_files
+    from .shards import recorded_shard_sha256
     from .target_model import quick_identity
 
-    shard_ids = []
-    for p in shards:
-        index = shard_index_path(p)
-        if index.is_file():
-            m = read_record(index)
-            shard_ids.append(checked_sha256(p, m.get("sha256"), m.get("stat"), str(index)))
-        else:
-            logger.warning("%s: no index beside it (%s); hashed, not checked against a record", p, index.name)
-            shard_ids.append(sha256_file(p))
+    shard_ids = [recorded_shard_sha256(p) for p in shards]
     recorded = check_recorded_files(vocab_dir) or {}  # build_vocab_mapping's record, checked
     vocab = [recorded.get(f) or sha256_file(Path(vocab_dir) / f) for f in ("d2t.npy", "t2d.npy")]
     return sha256_json(

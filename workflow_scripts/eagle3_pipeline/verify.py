@@ -75,7 +75,7 @@ def recorded_input_problems(paths: Iterable[str | os.PathLike]) -> list[str]:
     Snakemake deletes the outputs of the jobs it reruns.
 
     Checked: a trace shard with its ``.summary.json`` (:func:`eagle3_pipeline.generation.recorded_traces_sha256`),
-    a hidden-state shard with its ``.index.json`` (``sha256``), and a directory with a record of its
+    a hidden-state shard with its ``.index.json`` (:func:`eagle3_pipeline.shards.recorded_shard_sha256`), and a directory with a record of its
     files, or a file in one (:func:`eagle3_pipeline.io.check_recorded_files`: the vocabulary, a
     drafter). Each by :func:`eagle3_pipeline.io.checked_sha256`: a file unwritten since it was last
     hashed is not read again. Files without a record, and missing files, are left to their stage.
@@ -85,8 +85,9 @@ def recorded_input_problems(paths: Iterable[str | os.PathLike]) -> list[str]:
         to do); empty when every recorded file is as its producer wrote it.
     """
     from .generation import recorded_traces_sha256
-    from .io import FILES_RECORD, InputError, check_recorded_files, checked_sha256, read_record
+    from .io import FILES_RECORD, InputError, check_recorded_files
     from .layout import index_beside, summary_beside
+    from .shards import recorded_shard_sha256
 
     problems, dirs = [], set()
     for p in map(Path, paths):
@@ -99,8 +100,7 @@ def recorded_input_problems(paths: Iterable[str | os.PathLike]) -> list[str]:
             elif p.is_file() and p.suffix == ".jsonl" and summary_beside(p).is_file():
                 recorded_traces_sha256(p)
             elif p.is_file() and p.suffix == ".safetensors" and index_beside(p).is_file():
-                m = read_record(index_beside(p))
-                checked_sha256(p, m.get("sha256"), m.get("stat"), str(index_beside(p)))
+                recorded_shard_sha256(p)
         except InputError as e:
             problems.append(str(e))
     return problems
