@@ -199,14 +199,9 @@ def recorded_traces_sha256(traces_path: str | os.PathLike) -> str:
     Raises:
         InputError: the shard's bytes differ from the recorded ones.
     """
-    from .io import checked_sha256, read_record, sha256_file
+    from .io import recorded_sha256
 
-    summary = traces_summary_path(traces_path)
-    if not summary.is_file():
-        logger.warning("%s: no %s beside it; hashed, not checked against a record", traces_path, summary.name)
-        return sha256_file(traces_path)
-    m = read_record(summary)
-    return checked_sha256(traces_path, m.get("traces_sha256"), m.get("traces_stat"), str(summary))
+    return recorded_sha256(traces_path, traces_summary_path(traces_path), "traces_sha256", "traces_stat")
 
 
 def queued_requests(llm) -> int:

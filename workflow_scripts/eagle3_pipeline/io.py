@@ -292,6 +292,24 @@ def checked_sha256(path: str | os.PathLike, sha256: str | None, stat: dict | Non
     return sha256
 
 
+def recorded_sha256(path: str | os.PathLike, record: str | os.PathLike, sha_key: str = "sha256", stat_key: str = "stat") -> str:
+    """The SHA-256 of ``path`` that its producer recorded under ``sha_key`` (and ``stat_key``) in the
+    JSON file ``record``, checked by :func:`checked_sha256`; hashed without a check (logged) when
+    there is no record (a file brought from another machine).
+
+    Raises:
+        InputError: the file's bytes differ from the record.
+    """
+    rec = Path(record)
+    if not rec.is_file():
+        import logging
+
+        logging.getLogger(__name__).warning("%s: no %s beside it; hashed, not checked against a record", path, rec.name)
+        return sha256_file(path)
+    m = read_record(rec)
+    return checked_sha256(path, m.get(sha_key), m.get(stat_key), str(rec))
+
+
 #: A directory's record of the files its producer wrote (:func:`record_files`): a dot-file, which
 #: the run manifest's directory hashes and vLLM's loader leave out.
 FILES_RECORD = ".sha256.json"

@@ -398,20 +398,14 @@ def shard_index_path(shard: str | os.PathLike) -> Path:
 
 def recorded_shard_sha256(shard: str | os.PathLike) -> str:
     """The SHA-256 of a hidden-state shard, checked against the one extraction recorded in its index
-    (:func:`eagle3_pipeline.io.checked_sha256`); hashed without a check when there is no index beside it
-    (logged), as :func:`eagle3_pipeline.generation.recorded_traces_sha256` does for traces.
+    (:func:`eagle3_pipeline.io.recorded_sha256`; hashed without a check when there is no index).
 
     Raises:
         InputError: the shard's bytes differ from the recorded ones.
     """
-    from .io import checked_sha256, read_record
+    from .io import recorded_sha256
 
-    index = shard_index_path(shard)
-    if not index.is_file():
-        logger.warning("%s: no index beside it (%s); hashed, not checked against a record", shard, index.name)
-        return sha256_file(shard)
-    m = read_record(index)
-    return checked_sha256(shard, m.get("sha256"), m.get("stat"), str(index))
+    return recorded_sha256(shard, shard_index_path(shard))
 
 
 def shard_index(
