@@ -201,6 +201,21 @@ def test_git_holds_no_run_output():
     assert [f for f in files if f.startswith("benchmarks/") and not allowed.fullmatch(f)] == []
 
 
+def test_recorded_figures_are_not_ignored():
+    """A benchmark's recorded figures (benchmarks/results/*.json) can be committed: an ignore rule
+    for the run folder `results/` written without its leading slash also matched
+    benchmarks/results/, and two H200 records were lost that way (never added, never noticed)."""
+    root = Path(__file__).resolve().parents[1]
+    paths = ["benchmarks/results/new_figures_h200.json", "benchmarks/new_script.py", "benchmarks/README.md"]
+    r = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=root, capture_output=True, text=True)
+    if r.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert r.stdout.split() == []  # check-ignore prints the paths it would ignore
+    runs = ["results/default/summary.json", "logs/default/x.log", "resources/models/m/config.json"]
+    r = subprocess.run(["git", "check-ignore", "--no-index", *runs], cwd=root, capture_output=True, text=True)
+    assert r.stdout.split() == runs
+
+
 def test_a_filesystem_without_flock_runs_the_block_with_a_warning(tmp_path, monkeypatch, caplog):
     """Some Lustre mounts refuse flock (ENOSYS): the training beside its outputs still runs."""
     import errno
