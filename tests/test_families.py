@@ -234,7 +234,7 @@ def test_both_extraction_backends_agree_on_each_family(tmp_path, family_target):
         # and from an independent MLA written from the weights (which equals transformers' to float32 rounding),
         # by 2-3.5% relative RMS after the first layer, at every position but the first: not bf16 rounding
         # (docs/model-families.md). The exception is bounded, not waived: states further off fail here. (A ratio
-        # to the hf error is no such bound: that error itself moves 3x between CPUs with and without bf16 units.)
+        # to the hf error is no such bound: that error itself was 3x larger on CI's CPU than here.)
         assert all(err_vllm < 0.05 for _, _, err_vllm in errors), errors
         return
     for layer, err_hf, err_vllm in errors:
