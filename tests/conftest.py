@@ -47,7 +47,13 @@ def e2e_run(tmp_path_factory):
 def one_engine_traces(tmp_path_factory, target_dir):
     """Greedy traces of 6 ShareGPT first turns (12 tokens each) from one vLLM engine, in 3 chunks
     of 2 prompts: the reference that data-parallel and killed-and-resumed generation must equal
-    (test_parallel.py, test_resume.py). (prompts file, the stage's params, chunk_prompts, traces)."""
+    (test_parallel.py, test_resume.py). (prompts file, the stage's params, chunk_prompts, traces).
+
+    ``max_num_seqs: 1``: every request decodes alone, so its tokens cannot depend on which
+    requests shared its batch. vLLM is not batch-invariant: with the default, which replica took
+    which chunk (or where a killed run resumed) changed the batches, and on CI's CPU a bf16
+    near-tie flipped one greedy token (a trace diverged at its 5th token) though nothing was
+    wrong."""
     from types import SimpleNamespace
 
     from eagle3_pipeline.config import validate_config
@@ -59,7 +65,7 @@ def one_engine_traces(tmp_path_factory, target_dir):
     records = build_prompt_set([{"type": "builtin_sharegpt"}], turns="first", max_prompts=6).records
     prompts = d / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
-    cfg = validate_config({"generation": {"max_tokens": 12, "temperature": 0.0}, "vllm": {"cpu_kvcache_space_gib": 1}})
+    cfg = validate_config({"generation": {"max_tokens": 12, "temperature": 0.0}, "vllm": {"cpu_kvcache_space_gib": 1, "max_num_seqs": 1}})
     params = {"generation": cfg["generation"], "vllm": cfg["vllm"], "seed": 0, "max_seq_len": 2048, "trust_remote_code": False}
     out = {k: str(d / f"{k}.jsonl") for k in ("traces", "rejects", "summary")}
     run_generation_shard(str(prompts), out, str(target_dir), params, chunk_prompts=2)
