@@ -247,6 +247,7 @@ rule b:
 """
 
 
+@pytest.mark.workflow  # runs snakemake (a tiny Snakefile, ~20 s): not the unit tier
 def test_dry_run_jobs_follow_snakemakes_dag_and_its_public_list_of_updated_files(tmp_path):
     from snakemake.api import SnakemakeApi
     from snakemake.settings.enums import Quietness
