@@ -6,7 +6,8 @@ one, like ``config/examples/smollm2-h200-layers.yaml``) as bf16 and as fp8, then
 drafter on 3 of the 5 aux layers and on all 5, against reading every stored layer first and
 selecting after (how ``ShardDataset`` read before it passed its layers to
 ``ShardReader.sample``). A GPU training step consumes ``loader_workers`` times this rate at
-most; on the H200 the fp8 run of session 9 trained at 91K tok/s with 4 workers.
+most; on the H200 the fp8 run of 2026-12-02 trained at 91K tok/s with 4 workers
+(docs/offline-gpu-host.md, `benchmarks/results/gpu_fp8_h200.json`).
 
 Each storage dtype is a phase: ``--out`` is rewritten after each, a failed one is recorded
 with its error and the script exits 1 at the end.

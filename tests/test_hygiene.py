@@ -216,6 +216,22 @@ def test_recorded_figures_are_not_ignored():
     assert r.stdout.split() == runs
 
 
+def test_no_file_dates_itself_by_a_work_session():
+    """Code and docs say when (a date) and how (a command), never which work session: a
+    reader cannot look a session number up."""
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip("not a git checkout")
+    pattern = re.compile(r"\bsess" + r"ion\s+\d", re.IGNORECASE)  # split, so this file does not match itself
+    hits = []
+    for f in r.stdout.splitlines():
+        path = root / f
+        if path.suffix in (".py", ".md", ".smk", ".yaml", ".yml", ".sh", ".rst", ".txt", ".toml") or path.name in ("Snakefile", "Makefile"):
+            hits += [f"{f}:{i}" for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if pattern.search(line)]
+    assert hits == []
+
+
 def test_a_filesystem_without_flock_runs_the_block_with_a_warning(tmp_path, monkeypatch, caplog):
     """Some Lustre mounts refuse flock (ENOSYS): the training beside its outputs still runs."""
     import errno
