@@ -275,3 +275,22 @@ def test_data_parallel_replicas_share_the_chunks(tmp_path, gpu_checks):
     assert sum(r["chunks"] for r in rec["replicas"]) == 4
     assert rec["model_load_seconds"] == max(r["model_load_seconds"] for r in rec["replicas"])  # the slowest replica's
     assert (tmp_path / "stage" / "shard-00000.txt").read_text() == EVERY_ITEM
+
+
+def test_too_few_chunks_for_the_replicas_are_named_with_the_size_that_balances_them():
+    """The H200 answers run: 3,000 prompts in chunks of 2,048 on 2 replicas; one replica can get
+    the 2,048-prompt chunk while the other does 952: a chunk size of 750 gives each 2 chunks."""
+    ranges = [(0, 2048), (2048, 3000)]
+    msg = shard_job.balance_warning(ranges, [0, 1], 2, "generation.chunk_prompts")
+    assert msg == (
+        "2 chunk(s) of up to 2048 items for 2 replicas: one replica may do 2048 of 3000 items while an even share is 1500; "
+        "set generation.chunk_prompts to at most 750 to keep every replica busy"
+    )
+    # 750 each: 4 chunks, 2 per replica, no warning
+    assert shard_job.balance_warning([(a, a + 750) for a in range(0, 3000, 750)], [0, 1, 2, 3], 2, "k") is None
+    # 3 replicas, 5 chunks of 10 to do (the others kept): one replica may take 2 of them
+    msg = shard_job.balance_warning([(a, a + 10) for a in range(0, 100, 10)], [5, 6, 7, 8, 9], 3, "extraction.chunk_samples")
+    assert msg.startswith("5 chunk(s) of up to 10 items for 3 replicas: one replica may do 20 of 50 items while an even share is 17;")
+    assert msg.endswith("set extraction.chunk_samples to at most 8 to keep every replica busy")
+    assert shard_job.balance_warning(ranges, [0, 1], 1, "k") is None  # one replica: nothing to balance
+    assert shard_job.balance_warning(ranges, [], 2, "k") is None  # nothing to do

@@ -572,6 +572,7 @@ def run_generation_shard(
             chunk_suffix=".jsonl",
             num_items=len(records),
             chunk_size=chunk_prompts,
+            chunk_key="generation.chunk_prompts",
             worker=_generation_replica,
             worker_job={"params": params, "records": records, "traces": out["traces"], "target": target, "model": model},
             assemble=assemble,

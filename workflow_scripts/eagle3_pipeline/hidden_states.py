@@ -119,6 +119,7 @@ def run_extraction_shard(
             chunk_suffix=DONE_SUFFIX,
             num_items=len(samples),
             chunk_size=cfg["chunk_samples"],
+            chunk_key="extraction.chunk_samples",
             worker=worker,
             worker_job={
                 "cfg": cfg,
