@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(workflow.basedir) / "workflow_scripts"))
 from eagle3_pipeline import config as settings
 from eagle3_pipeline import sweep, target_model
 from eagle3_pipeline.layout import BUILTIN_TARGET_DIR, RunLayout
-from eagle3_pipeline.lineage import external_sources, lineage_outputs
+from eagle3_pipeline.lineage import external_sources, lineage_terminals
 from eagle3_pipeline.prompts import sources_digest
 from eagle3_pipeline.snakemake_adapter import lineage_jobs, workflow_errors
 
@@ -136,9 +136,9 @@ def get_lineage_jobs(wildcards=None):
     return lineage_jobs(workflow, rules, finals, wildcard_values, sources)
 
 
-def get_lineage_outputs(wildcards):
-    """Every output file of the run's jobs (the run manifest's inputs)."""
-    return lineage_outputs(get_lineage_jobs())
+def get_lineage_terminals(wildcards):
+    """The outputs of the run's jobs that none of them reads (the run manifest's inputs)."""
+    return lineage_terminals(get_lineage_jobs())
 
 
 # settings that depend on the target's shape (the run's and each variant's), before any job runs

@@ -253,5 +253,7 @@ def test_every_path_the_rules_declare_comes_from_the_layout(tmp_path):
             "evaluate_drafter", "summarize_run", "plot_run", "sweep_table",
         ]  # fmt: skip
         # the input functions too: every file the DAG's jobs read or write under results/ is a layout path
-        finals = wf.globals["get_lineage_outputs"](None)
+        from eagle3_pipeline.lineage import lineage_outputs
+
+        finals = lineage_outputs(jobs)
         assert len(finals) > 40 and not [p for p in finals if p not in known and not fnmatch.fnmatch(p, lay.plot("*"))]

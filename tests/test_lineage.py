@@ -338,6 +338,15 @@ def test_lineage_jobs_are_the_jobs_the_targets_need_from_the_rules_declared_file
 
     assert lineage_outputs(jobs + jobs[:1]) == sorted(p for j in jobs for ps in j["outputs"].values() for p in ps)
     assert "r/sweep/a/drafter" in lineage_outputs(jobs) and lineage_outputs([]) == []
+    # what the manifest needs: the outputs no job reads (the model feeds the shards, the shards and
+    # the variant's vocabulary the training), after which every job has run
+    from eagle3_pipeline.lineage import lineage_terminals
+
+    assert lineage_terminals(jobs) == ["r/sweep/a/drafter"]
+    with_rejects = [
+        j | {"outputs": j["outputs"] | {"rejects": [f"r/rej-{j['wildcards']['shard']}"]}} if j["rule"] == "shard" else j for j in jobs
+    ]
+    assert lineage_terminals(with_rejects) == ["r/rej-0", "r/rej-1", "r/sweep/a/drafter"]
 
 
 def test_external_sources_are_what_a_rule_reads_by_config():

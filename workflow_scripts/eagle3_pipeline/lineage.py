@@ -286,6 +286,19 @@ def lineage_outputs(jobs: list[dict]) -> list[str]:
     return sorted({p for job in jobs for paths in job["outputs"].values() for p in paths})
 
 
+def lineage_terminals(jobs: list[dict]) -> list[str]:
+    """The outputs of ``jobs`` that none of them reads (sorted): the run manifest's inputs.
+
+    Every job of ``jobs`` makes a terminal or an input of another of them, so a manifest that
+    needs the terminals runs after every job; and a changed artifact reruns its readers, whose
+    outputs rerun theirs, down to a terminal, so the manifest is remade as if it read every
+    artifact (:func:`lineage_outputs`), from a sixth of the files (1,013 of 6,025 with 1,000
+    shards: Snakemake looks up each input's producer when it builds its DAG).
+    """
+    read = {p for job in jobs for paths in job["inputs"].values() for p in paths}
+    return [p for p in lineage_outputs(jobs) if p not in read]
+
+
 def build_manifest(run_dir: str | os.PathLike, jobs: list[dict], config: dict, target: str, hasher: Hasher | None = None) -> dict:
     """The run manifest of ``run_dir`` (see the module docstring for its parts).
 
