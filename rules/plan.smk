@@ -3,6 +3,7 @@
 # the hooks' bodies in eagle3_pipeline/snakemake_adapter.py (the module that reads Snakemake's DAG).
 from eagle3_pipeline.snakemake_adapter import (
     check_pending_inputs,
+    keep_incomplete_finished_shards,
     print_resume_hint,
     print_start_plan,
 )
@@ -10,6 +11,7 @@ from eagle3_pipeline.snakemake_adapter import (
 
 onstart:
     check_pending_inputs(workflow)
+    keep_incomplete_finished_shards(workflow)
     print_start_plan(
         workflow, config, layout, None if is_builtin_target() else get_target_dir()
     )

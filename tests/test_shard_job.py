@@ -294,3 +294,31 @@ def test_too_few_chunks_for_the_replicas_are_named_with_the_size_that_balances_t
     assert msg.endswith("set extraction.chunk_samples to at most 8 to keep every replica busy")
     assert shard_job.balance_warning(ranges, [0, 1], 1, "k") is None  # one replica: nothing to balance
     assert shard_job.balance_warning(ranges, [], 2, "k") is None  # nothing to do
+
+
+def test_a_finished_job_kept_before_its_rerun_is_taken_back_and_not_when_altered_or_changed(tmp_path, gpu_checks):
+    """The snakemake that ran a job was killed after the job ended but before it cleared its incomplete
+    marks: the onstart hook keeps the outputs (keep_for_rerun) before Snakemake deletes them, and the
+    rerun's job takes them back; an altered output is not kept, and other settings redo the work."""
+    job = make_job(tmp_path, keep_finished=True)
+    first = run_shard_job(job)
+    assert not partial_dir(tmp_path).exists()  # an ordinary end: nothing kept
+    assert shard_job.keep_for_rerun(job.outputs, job.record)
+    for p in (job.outputs[0], job.record):  # what the rerun's Snakemake deletes as incomplete
+        Path(p).unlink()
+    assert run_shard_job(job) == first and calls(tmp_path) == [0, 1, 2, 3]  # taken back, no chunk done again
+    assert Path(job.outputs[0]).read_text() == EVERY_ITEM and not partial_dir(tmp_path).exists()
+    # altered after its job recorded it: not kept (and nothing of it is)
+    Path(job.outputs[0]).write_text("item-0\n")
+    assert not shard_job.keep_for_rerun(job.outputs, job.record) and not partial_dir(tmp_path).exists()
+    # kept, but the rerun's settings differ (another fingerprint): the work is done again
+    Path(job.outputs[0]).write_text(EVERY_ITEM)
+    write_json_atomic(job.record, first | {"sha256": sha256_file(job.outputs[0]), "stat": file_stat(job.outputs[0])})
+    assert shard_job.keep_for_rerun(job.outputs, job.record)
+    for p in (job.outputs[0], job.record):
+        Path(p).unlink()
+    rec = run_shard_job(make_job(tmp_path, "fp-2", keep_finished=True))
+    assert rec["fingerprint"] == "fp-2" and calls(tmp_path) == [0, 1, 2, 3] * 2 and rec["chunks_resumed"] == 0
+    # no record, or a record without a fingerprint: nothing to keep
+    Path(job.record).unlink()
+    assert not shard_job.keep_for_rerun(job.outputs, job.record)

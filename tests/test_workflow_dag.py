@@ -245,3 +245,41 @@ def test_a_failed_run_says_rerun_resumes_and_what_it_keeps(tmp_path):
     assert r.returncode != 0 and "Error in rule prepare_prompts" in out
     assert "The run stopped before it finished. Rerun the same command to resume: kept for the rerun," in out
     assert "1 finished chunk(s) of results/r/traces/shard-00000.jsonl" in out
+
+
+def test_incomplete_outputs_are_those_a_killed_snakemake_left(tmp_path):
+    """snakemake SIGKILLed while its job runs leaves the job's output marked incomplete: the onstart
+    hook's view of those marks (snakemake_adapter.incomplete_outputs, Snakemake internals) names it,
+    and not the output of a job that ended."""
+    import os
+    import signal
+    import time
+
+    from snakemake.api import SnakemakeApi
+    from snakemake.settings.enums import Quietness
+    from snakemake.settings.types import DAGSettings, ExecutionSettings, OutputSettings, ResourceSettings
+
+    from eagle3_pipeline.snakemake_adapter import incomplete_outputs
+
+    (tmp_path / "Snakefile").write_text(
+        'rule all:\n    input: "a.txt", "b.txt"\n'
+        'rule a:\n    output: "a.txt"\n    shell: "echo a > {output}"\n'
+        'rule b:\n    input: "a.txt"\n    output: "b.txt"\n    shell: "echo b > {output}; sleep 120"\n'
+    )
+    snake = subprocess.Popen(
+        [sys.executable, "-m", "snakemake", "-c1", "-s", "Snakefile"], cwd=tmp_path, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "b.txt").exists():
+        assert snake.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    os.killpg(snake.pid, signal.SIGKILL)  # snakemake and its job's shell
+    snake.wait()
+    (tmp_path / "a.txt").unlink()  # job a runs again too, its output not marked
+    with SnakemakeApi(OutputSettings(quiet={Quietness.ALL})) as api:
+        wf = api.workflow(resource_settings=ResourceSettings(cores=1), snakefile=tmp_path / "Snakefile", workdir=tmp_path)
+        dag = wf.dag(DAGSettings(force_incomplete=True))
+        dag.execute_workflow(executor="local", pseudo_executor="dryrun", execution_settings=ExecutionSettings(lock=False))
+        assert {j.rule.name for j in wf._workflow.dag.needrun_jobs(exclude_finished=False)} == {"a", "b", "all"}
+        assert incomplete_outputs(wf._workflow) == {"b.txt"}

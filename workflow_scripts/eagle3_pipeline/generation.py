@@ -186,6 +186,10 @@ def _requests(
     return todo, rejects
 
 
+#: The trace shard's summary keys of the shard's SHA-256 and :func:`eagle3_pipeline.io.file_stat`.
+SUMMARY_HASH_KEYS = ("traces_sha256", "traces_stat")
+
+
 def traces_summary_path(traces_path: str | os.PathLike) -> Path:
     """The ``.summary.json`` a trace shard's job writes beside it (counts, ``traces_sha256``)."""
     return summary_beside(traces_path)
@@ -201,7 +205,7 @@ def recorded_traces_sha256(traces_path: str | os.PathLike) -> str:
     """
     from .io import recorded_sha256
 
-    return recorded_sha256(traces_path, traces_summary_path(traces_path), "traces_sha256", "traces_stat")
+    return recorded_sha256(traces_path, traces_summary_path(traces_path), *SUMMARY_HASH_KEYS)
 
 
 def queued_requests(llm) -> int:
@@ -560,8 +564,8 @@ def run_generation_shard(
             "generate_seconds": round(gen_s, 3),
             "engine_wall_seconds": round(run.wall_seconds, 3),
             "completion_tokens_per_second": run.stats.get("completion_tokens", 0) / gen_s if gen_s else 0.0,
-            "traces_sha256": sha256_file(out["traces"]),
-            "traces_stat": file_stat(out["traces"]),  # the shard as hashed (io.checked_sha256)
+            SUMMARY_HASH_KEYS[0]: sha256_file(out["traces"]),
+            SUMMARY_HASH_KEYS[1]: file_stat(out["traces"]),  # the shard as hashed (io.checked_sha256)
         }
 
     summary = run_shard_job(
@@ -579,6 +583,8 @@ def run_generation_shard(
             replicas=vcfg["data_parallel_size"],
             gpus_per_replica=vcfg["tensor_parallel_size"] * vcfg["pipeline_parallel_size"],
             replicas_per_gpu=vcfg.get("replicas_per_gpu", 1),
+            keep_finished=True,
+            record_hash_keys=SUMMARY_HASH_KEYS,
         ),
         host_lock_enabled=host_lock_enabled,
     )

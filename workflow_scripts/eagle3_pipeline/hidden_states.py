@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from .shards import DONE_SUFFIX, FP8, STORAGE_DTYPES, prepare_partial_shard, sample_from_trace, shard_index
+from .shards import DONE_SUFFIX, FP8, INDEX_HASH_KEYS, STORAGE_DTYPES, prepare_partial_shard, sample_from_trace, shard_index
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +141,7 @@ def run_extraction_shard(
             # the shard is filled in place and renamed: a rerun after this job's snakemake ended
             # takes the finished shard back (its chunks alone no longer make it)
             keep_finished=True,
+            record_hash_keys=INDEX_HASH_KEYS,
         ),
         host_lock_enabled=host_lock_enabled,
     )

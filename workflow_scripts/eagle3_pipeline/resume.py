@@ -111,10 +111,7 @@ class ChunkStore:
         if not orphaned(parents):
             self.remove()
             return
-        for p in outputs:
-            dest = self.dir / f"finished-{Path(p).name}"
-            dest.unlink(missing_ok=True)
-            os.link(p, dest)
+        self.keep(outputs)
         logger.warning(
             "the snakemake that started this job has ended: its rerun will delete %s as incomplete; %s kept in %s for that "
             "rerun, which does not do the work again",
@@ -122,6 +119,14 @@ class ChunkStore:
             "the finished output is" if outputs else "every finished chunk is",
             self.dir,
         )
+
+    def keep(self, outputs: Sequence[str | os.PathLike]) -> None:
+        """Hard-link each of ``outputs`` into the store as ``finished-<name>`` (no copy: the same
+        bytes and inode), for a rerun's :meth:`take_finished`; an earlier link of that name is replaced."""
+        for p in outputs:
+            dest = self.dir / f"finished-{Path(p).name}"
+            dest.unlink(missing_ok=True)
+            os.link(p, dest)
 
     def take_finished(self, outputs: Sequence[str | os.PathLike]) -> bool:
         """Put back the outputs a job of this store finished after its snakemake ended (:meth:`finish`).

@@ -94,8 +94,10 @@ class ShardJob:
         replicas_per_gpu: replicas that share one GPU.
         keep_finished: when this job's snakemake ends while it runs, keep its finished outputs and
             record (hard links) for the rerun, which takes them back; the record must then name the
-            main output's bytes as ``sha256`` and ``stat`` (checked before they are taken back).
+            main output's bytes under ``record_hash_keys`` (checked before they are taken back).
             False keeps the chunks alone, which the rerun assembles again without an engine.
+        record_hash_keys: the record's keys of the main output's SHA-256 and stat
+            (:func:`eagle3_pipeline.io.checked_sha256`).
     """
 
     outputs: Sequence[str]
@@ -113,6 +115,7 @@ class ShardJob:
     replicas_per_gpu: int = 1
     keep_finished: bool = False
     chunk_key: str = "the chunk size"
+    record_hash_keys: tuple[str, str] = ("sha256", "stat")
 
     def open_store(self) -> ChunkStore:
         """The job's chunk store (:class:`eagle3_pipeline.resume.ChunkStore`): opening it discards
@@ -199,6 +202,43 @@ def run_shard_job(job: ShardJob, *, host_lock_enabled: bool = True) -> dict:
     return record
 
 
+def keep_for_rerun(outputs: Sequence[str], record: str, record_hash_keys: tuple[str, str] = ("sha256", "stat")) -> bool:
+    """Keep a finished shard job's outputs for the rerun that Snakemake is about to start of it.
+
+    Snakemake marks a job's outputs incomplete when the job starts and clears the mark when it
+    has seen the job end. A snakemake killed in between (on a cluster: before its status poll saw
+    the job finish) leaves finished outputs marked, and its rerun deletes them and runs the job
+    again. Called (by the ``onstart`` hook, :func:`eagle3_pipeline.snakemake_adapter.keep_incomplete_finished_shards`)
+    before Snakemake deletes anything, this hard-links ``outputs`` and ``record`` into the job's
+    chunk store under the fingerprint the record names, as :meth:`ChunkStore.finish` does for a job
+    that outlived its snakemake; the job then takes them back when its own fingerprint is the
+    same (:func:`run_shard_job` with ``keep_finished``), and does the work again when not.
+
+    Args:
+        outputs: the job's outputs but its record, the main one first (:attr:`ShardJob.outputs`).
+        record: the record the job writes last (:attr:`ShardJob.record`).
+        record_hash_keys: the record's keys of the main output's SHA-256 and stat.
+
+    Returns:
+        True when they were kept; False when the record is missing or unreadable, an output is
+        missing, or the main output's bytes differ from the recorded ones (logged).
+    """
+    try:
+        rec = read_json(record)
+    except (OSError, ValueError):
+        return False
+    if not isinstance(rec, dict) or not rec.get("fingerprint") or not all(Path(p).is_file() for p in outputs):
+        return False
+    sha_key, stat_key = record_hash_keys
+    try:
+        checked_sha256(outputs[0], rec.get(sha_key), rec.get(stat_key), record)
+    except InputError as e:
+        logger.warning("not keeping %s for its rerun: %s", outputs[0], e)
+        return False
+    ChunkStore(outputs[0], rec["fingerprint"], ".kept").keep([*outputs, record])
+    return True
+
+
 #: Fewer chunks than this per replica leave replicas idle while the last chunks finish.
 MIN_CHUNKS_PER_REPLICA = 2
 
@@ -243,8 +283,9 @@ def _take_back(job: ShardJob, store: ChunkStore) -> dict | None:
     if not store.take_finished(finished):
         return None
     record = read_json(job.record)
+    sha_key, stat_key = job.record_hash_keys
     try:  # the bytes its job recorded (hard links: unchanged unless altered since)
-        checked_sha256(job.outputs[0], record.get("sha256"), record.get("stat"), job.record)
+        checked_sha256(job.outputs[0], record.get(sha_key), record.get(stat_key), job.record)
     except InputError as e:
         logger.warning("not taking back the kept output: %s", e)
         for p in finished:

@@ -391,6 +391,10 @@ def write_shard(
     return shard_index(path, samples, layer_ids=layer_ids, aux_layer_ids=aux_layer_ids, index_path=index_path, checksum=checksum)
 
 
+#: A shard index's keys of the shard's SHA-256 and :func:`eagle3_pipeline.io.file_stat`.
+INDEX_HASH_KEYS = ("sha256", "stat")
+
+
 def shard_index_path(shard: str | os.PathLike) -> Path:
     """The ``.index.json`` beside a hidden-state shard (``shard-00000.safetensors`` → ``shard-00000.index.json``)."""
     return index_beside(shard)
@@ -405,7 +409,7 @@ def recorded_shard_sha256(shard: str | os.PathLike) -> str:
     """
     from .io import recorded_sha256
 
-    return recorded_sha256(shard, shard_index_path(shard))
+    return recorded_sha256(shard, shard_index_path(shard), *INDEX_HASH_KEYS)
 
 
 def shard_index(
@@ -437,9 +441,9 @@ def shard_index(
         "hidden_size": int(hidden_size),
         "dtype": str(dtype).removeprefix("torch."),
         "bytes": os.path.getsize(path),
-        "sha256": sha256_file(path) if checksum else None,
+        INDEX_HASH_KEYS[0]: sha256_file(path) if checksum else None,
         # the shard as hashed: a reader trusts the hash while size, mtime and inode are these (io.checked_sha256)
-        "stat": file_stat(path) if checksum else None,
+        INDEX_HASH_KEYS[1]: file_stat(path) if checksum else None,
         "samples": [{"id": s.id, "offset": o, "length": n} for s, o, n in zip(samples, offsets[:-1], lengths, strict=True)],
     }
     if index_path is not None:

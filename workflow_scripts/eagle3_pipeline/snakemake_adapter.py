@@ -9,8 +9,9 @@ here, and nowhere else, so that a change of Snakemake's internals fails in one p
   (``snakemake plan``) will run, for :mod:`eagle3_pipeline.plan`;
 - :func:`rule_stage`: the stage of a rule, from the script it runs (a sweep variant's rule reuses
   its stage's script), so that no list of rule names is kept by hand;
-- :func:`print_start_plan` and :func:`print_resume_hint`: the bodies of the ``onstart`` and
-  ``onerror`` hooks (rules/plan.smk);
+- :func:`print_start_plan`, :func:`keep_incomplete_finished_shards` and :func:`print_resume_hint`:
+  the bodies of the ``onstart`` and ``onerror`` hooks (rules/plan.smk);
+- :func:`incomplete_outputs`: the outputs Snakemake marked incomplete;
 - :func:`lineage_jobs`: every job of the run with its declared files, for the run manifest
   (rules/write_manifest.smk);
 - :func:`workflow_errors`: the library's configuration and input errors as Snakemake's own, for
@@ -114,6 +115,59 @@ def in_dependency_order(jobs: list[dict]) -> list[dict]:
 
     key = [(depth(i), j["rule"], sorted(j["wildcards"].items())) for i, j in enumerate(jobs)]
     return [jobs[i] for i in sorted(range(len(jobs)), key=key.__getitem__)]
+
+
+def incomplete_outputs(workflow) -> set[str]:
+    """The outputs of the jobs Snakemake will run that it marked incomplete: their job started
+    and Snakemake did not see it end (it was killed, or the job failed and left them).
+
+    Snakemake internals (snakemake 9.27.1; the public API only reports such files as an error):
+    ``Workflow.dag.needrun_jobs``, ``Workflow.persistence._get_key`` and
+    ``Workflow.persistence._filter_incomplete_keys``; ``tests/test_workflow_dag.py`` kills a
+    snakemake during a job and checks this against the file it left.
+    """
+    keys = {workflow.persistence._get_key(f): str(f) for j in workflow.dag.needrun_jobs(exclude_finished=False) for f in j.output}
+    return {keys[k] for k in workflow.persistence._filter_incomplete_keys(keys)}
+
+
+def keep_incomplete_finished_shards(workflow) -> list[str]:
+    """The ``onstart`` hook's step for the shard jobs a killed snakemake left marked incomplete
+    although they had finished: each generation or extraction job whose outputs are all marked
+    (:func:`incomplete_outputs`) and whose record names their bytes gets them kept for its rerun
+    (:func:`eagle3_pipeline.shard_job.keep_for_rerun`), which takes them back instead of doing the
+    work again. Runs before Snakemake deletes those outputs. ``--forcerun`` and changed code or
+    settings do not mark outputs incomplete, so such jobs still run.
+
+    Returns:
+        the main outputs kept (also printed); empty when Snakemake's internals changed (a warning:
+        the jobs then run again, as without this step).
+    """
+    from .generation import SUMMARY_HASH_KEYS, traces_summary_path
+    from .shard_job import keep_for_rerun
+    from .shards import INDEX_HASH_KEYS, shard_index_path
+
+    # per stage (its rule's first output is the main one): the record beside it, the record's keys of its bytes
+    stages = {"generate_traces": (traces_summary_path, SUMMARY_HASH_KEYS), "extract_hidden_states": (shard_index_path, INDEX_HASH_KEYS)}
+    try:
+        marked = incomplete_outputs(workflow)
+        jobs = [j for j in needrun_jobs(workflow) if j["stage"] in stages and j["output"] and set(j["output"]) <= marked]
+    except AttributeError as e:
+        print(f"(finished shards marked incomplete not looked for: {type(e).__name__}: {e})", file=sys.stderr)
+        return []
+    kept = []
+    for j in jobs:
+        record_of, keys = stages[j["stage"]]
+        record = str(record_of(j["output"][0]))
+        outputs = [o for o in j["output"] if o != record]
+        if record in j["output"] and keep_for_rerun(outputs, record, keys):
+            kept.append(outputs[0])
+    if kept:
+        print(
+            f"{len(kept)} shard job(s) had finished but their snakemake was killed before it saw them end; kept for their "
+            "jobs, which take them back: " + ", ".join(kept),
+            file=sys.stderr,
+        )
+    return kept
 
 
 def dry_run_jobs(snakefile: str | Path, workdir: str | Path, config: dict, targets: list[str] | None = None) -> list[dict]:
