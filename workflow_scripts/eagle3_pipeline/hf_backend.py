@@ -52,9 +52,9 @@ class LayerCapture:
 
 
 def load_hf_target(model_path: str, device: str = "auto", trust_remote_code: bool = False, dtype: str = "auto"):
-    """Load the target with transformers for prefill (eval mode), in sdpa attention where
-    transformers has it for the architecture, else in its eager attention (logged; gpt-oss's
-    attention sinks have no sdpa path in transformers 5).
+    """Load the target with transformers for prefill (eval mode), in transformers' default
+    attention: sdpa where it has it for the architecture, else its eager attention (gpt-oss's
+    attention sinks have no sdpa path in transformers 5; asking for sdpa would refuse the model).
 
     ``device``: ``"auto"`` spreads the model over all visible GPUs (``device_map="auto"``)
     when there are several, uses the one GPU when there is one, else the CPU; or an
@@ -68,20 +68,13 @@ def load_hf_target(model_path: str, device: str = "auto", trust_remote_code: boo
 
     kw: dict = {
         "dtype": resolve_dtype(dtype, device, "the hf backend's target") or "auto",
-        "attn_implementation": "sdpa",
         "trust_remote_code": trust_remote_code,
     }
     if device == "auto" and torch.cuda.device_count() > 1:
         kw["device_map"] = "auto"
     elif device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        model = AutoModelForCausalLM.from_pretrained(model_path, **kw)
-    except ValueError as e:  # transformers refuses sdpa for this architecture before loading weights
-        if "scaled_dot_product_attention" not in str(e):
-            raise
-        logger.warning("%s: transformers has no sdpa attention for this architecture; the hf backend runs its eager attention", model_path)
-        model = AutoModelForCausalLM.from_pretrained(model_path, **(kw | {"attn_implementation": "eager"}))
+    model = AutoModelForCausalLM.from_pretrained(model_path, **kw)
     return (model if "device_map" in kw else model.to(device)).eval()
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .hygiene import check_gpus_free, cleanup_stale_processes, host_lock
-from .io import InputError, checked_sha256, read_json, write_json_atomic
+from .io import InputError, read_json, recorded_sha256, write_json_atomic
 from .layout import pids_of
 from .parallel import replica_stats, run_replicas
 from .resume import ChunkStore, ancestors, chunk_ranges, finished_by_another_job, todo_chunks
@@ -97,7 +97,7 @@ class ShardJob:
             main output's bytes under ``record_hash_keys`` (checked before they are taken back).
             False keeps the chunks alone, which the rerun assembles again without an engine.
         record_hash_keys: the record's keys of the main output's SHA-256 and stat
-            (:func:`eagle3_pipeline.io.checked_sha256`).
+            (:func:`eagle3_pipeline.io.recorded_sha256`).
     """
 
     outputs: Sequence[str]
@@ -229,9 +229,8 @@ def keep_for_rerun(outputs: Sequence[str], record: str, record_hash_keys: tuple[
         return False
     if not isinstance(rec, dict) or not rec.get("fingerprint") or not all(Path(p).is_file() for p in outputs):
         return False
-    sha_key, stat_key = record_hash_keys
     try:
-        checked_sha256(outputs[0], rec.get(sha_key), rec.get(stat_key), record)
+        recorded_sha256(outputs[0], record, *record_hash_keys)
     except InputError as e:
         logger.warning("not keeping %s for its rerun: %s", outputs[0], e)
         return False
@@ -282,10 +281,8 @@ def _take_back(job: ShardJob, store: ChunkStore) -> dict | None:
     finished = [*job.outputs, job.record]
     if not store.take_finished(finished):
         return None
-    record = read_json(job.record)
-    sha_key, stat_key = job.record_hash_keys
     try:  # the bytes its job recorded (hard links: unchanged unless altered since)
-        checked_sha256(job.outputs[0], record.get(sha_key), record.get(stat_key), job.record)
+        recorded_sha256(job.outputs[0], job.record, *job.record_hash_keys)
     except InputError as e:
         logger.warning("not taking back the kept output: %s", e)
         for p in finished:
@@ -293,4 +290,4 @@ def _take_back(job: ShardJob, store: ChunkStore) -> dict | None:
         store.remove()
         return None
     store.remove()
-    return record
+    return read_json(job.record)
