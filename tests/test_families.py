@@ -33,7 +33,7 @@ def _tokenizer(name: str):
     return load_tokenizer(path)
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3", "llama3", "gptoss"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3", "llama3", "mistral_nemo", "gptoss"])
 def test_targets_tokenize_as_their_tokenizer_json_says(name):
     """DeepSeek-V3's config names LlamaTokenizerFast over a byte-level BPE; transformers 5 then drops
     every space (transformers#45488). The pipeline's tokenizer gives the ids of the tokenizers library
@@ -79,7 +79,8 @@ def stand_in(family: str, dest: Path) -> Path:
       tokenizer). The tokenizer package has no chat template; a minimal harmony one is set
       (``HARMONY_TEMPLATE``).
     - ``mistral``: MistralForCausalLM, 8 layers, hidden 128, a 128-token sliding window in every
-      layer; Mistral's own tokenizer is not available offline, so Llama-3's (128,256 tokens) stands in.
+      layer (Mistral-7B's kind of attention), with Mistral-NeMo's tokenizer (Tekken, 131,072 tokens)
+      and its ``[INST]`` chat template, which adds no system prompt.
     """
     import transformers
 
@@ -125,9 +126,9 @@ def stand_in(family: str, dest: Path) -> Path:
         )  # fmt: skip
         cls = transformers.GptOssForCausalLM
     elif family == "mistral":
-        tok = _tokenizer("llama3")
+        tok = _tokenizer("mistral_nemo")
         cfg = transformers.MistralConfig(
-            vocab_size=128256, hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
+            vocab_size=131072, hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
             num_key_value_heads=2, head_dim=64, sliding_window=128, max_position_embeddings=2048,
             tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, torch_dtype="bfloat16",
         )  # fmt: skip
@@ -144,13 +145,12 @@ def stand_in(family: str, dest: Path) -> Path:
     return dest
 
 
-FAMILIES = ["qwen3", "qwen3_moe", "deepseek_v3"]
+FAMILIES = ["qwen3", "qwen3_moe", "deepseek_v3", "mistral"]
 #: families checked at extraction only (both backends against a float32 forward): their workflow
-#: run is not in the suite (gpt-oss answers in harmony channels, which the reasoning split does not
-#: parse; the Mistral stand-in's tokenizer is not Mistral's)
-EXTRACTION_ONLY = ["gpt_oss", "mistral"]
+#: run is not in the suite (gpt-oss answers in harmony channels, which the reasoning split does not parse)
+EXTRACTION_ONLY = ["gpt_oss"]
 #: (vocabulary size, hidden size) of each stand-in
-FAMILY_SHAPES = {"qwen3": (151936, 128), "qwen3_moe": (151936, 128), "deepseek_v3": (163840, 256)}
+FAMILY_SHAPES = {"qwen3": (151936, 128), "qwen3_moe": (151936, 128), "deepseek_v3": (163840, 256), "mistral": (131072, 128)}
 #: completion tokens of the extraction test's samples: past the 128-token sliding window where there is one
 COMPLETION_TOKENS = {"gpt_oss": 200, "mistral": 200}
 #: gpt-oss's harmony format for a user turn and the assistant's reply, without the system message
@@ -160,13 +160,18 @@ HARMONY_TEMPLATE = (
     "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
 )
 #: how each family's chat template opens a user turn
-PROMPT_STARTS = {"qwen3": "<|im_start|>user\n", "qwen3_moe": "<|im_start|>user\n", "deepseek_v3": "<｜begin▁of▁sentence｜><｜User｜>"}
+PROMPT_STARTS = {
+    "qwen3": "<|im_start|>user\n",
+    "qwen3_moe": "<|im_start|>user\n",
+    "deepseek_v3": "<｜begin▁of▁sentence｜><｜User｜>",
+    "mistral": "<s>[INST]",
+}
 
 
 #: the families whose whole workflow run is in `make test` (about 2 minutes each on 2 cores): Qwen3
 #: dense shares Qwen3-MoE's tokenizer, template and attention and is run on request
 #: (EAGLE3_ALL_FAMILIES=1); its layer-id convention is checked by both backends below either way
-WORKFLOW_FAMILIES = FAMILIES if os.environ.get("EAGLE3_ALL_FAMILIES") == "1" else ["qwen3_moe", "deepseek_v3"]
+WORKFLOW_FAMILIES = FAMILIES if os.environ.get("EAGLE3_ALL_FAMILIES") == "1" else ["qwen3_moe", "deepseek_v3", "mistral"]
 
 
 _STAND_INS: dict[str, Path] = {}
