@@ -1,8 +1,9 @@
-"""Targets of other families through every stage: small stand-ins of Qwen3, Qwen3-MoE and
-DeepSeek-V3 / Kimi-K2 (MLA + MoE, 163,840-token vocabulary, a ``<think>``-opening template), with
-random weights and each family's real tokenizer and chat template, run the whole workflow on CPU,
-from prompts to a drafter vLLM serves with its eagle3 method, and both extraction backends agree
-on each and on gpt-oss and Mistral stand-ins (the family table: docs/model-families.md)."""
+"""Targets of other families through every stage: small stand-ins of Qwen3, Qwen3-MoE,
+DeepSeek-V3 / Kimi-K2 (MLA + MoE, 163,840-token vocabulary, a ``<think>``-opening template),
+Mistral (sliding window) and gpt-oss (sliding window + sinks + MoE, harmony format), with random
+weights and each family's real tokenizer and chat template, run the whole workflow on CPU, from
+prompts to a drafter vLLM serves with its eagle3 method, and both extraction backends agree on
+each (the family table: docs/model-families.md)."""
 
 import json
 import os
@@ -145,12 +146,15 @@ def stand_in(family: str, dest: Path) -> Path:
     return dest
 
 
-FAMILIES = ["qwen3", "qwen3_moe", "deepseek_v3", "mistral"]
-#: families checked at extraction only (both backends against a float32 forward): their workflow
-#: run is not in the suite (gpt-oss answers in harmony channels, which the reasoning split does not parse)
-EXTRACTION_ONLY = ["gpt_oss"]
+FAMILIES = ["qwen3", "qwen3_moe", "deepseek_v3", "mistral", "gpt_oss"]
 #: (vocabulary size, hidden size) of each stand-in
-FAMILY_SHAPES = {"qwen3": (151936, 128), "qwen3_moe": (151936, 128), "deepseek_v3": (163840, 256), "mistral": (131072, 128)}
+FAMILY_SHAPES = {
+    "qwen3": (151936, 128),
+    "qwen3_moe": (151936, 128),
+    "deepseek_v3": (163840, 256),
+    "mistral": (131072, 128),
+    "gpt_oss": (201088, 128),
+}
 #: completion tokens of the extraction test's samples: past the 128-token sliding window where there is one
 COMPLETION_TOKENS = {"gpt_oss": 200, "mistral": 200}
 #: gpt-oss's harmony format for a user turn and the assistant's reply, without the system message
@@ -165,13 +169,14 @@ PROMPT_STARTS = {
     "qwen3_moe": "<|im_start|>user\n",
     "deepseek_v3": "<｜begin▁of▁sentence｜><｜User｜>",
     "mistral": "<s>[INST]",
+    "gpt_oss": "<|start|>user<|message|>",
 }
 
 
 #: the families whose whole workflow run is in `make test` (about 2 minutes each on 2 cores): Qwen3
 #: dense shares Qwen3-MoE's tokenizer, template and attention and is run on request
 #: (EAGLE3_ALL_FAMILIES=1); its layer-id convention is checked by both backends below either way
-WORKFLOW_FAMILIES = FAMILIES if os.environ.get("EAGLE3_ALL_FAMILIES") == "1" else ["qwen3_moe", "deepseek_v3", "mistral"]
+WORKFLOW_FAMILIES = FAMILIES if os.environ.get("EAGLE3_ALL_FAMILIES") == "1" else ["qwen3_moe", "deepseek_v3", "mistral", "gpt_oss"]
 
 
 _STAND_INS: dict[str, Path] = {}
@@ -189,7 +194,7 @@ def family_target(request, tmp_path_factory) -> tuple[str, Path]:
     return request.param, _stand_in_once(request.param, tmp_path_factory)
 
 
-@pytest.fixture(scope="module", params=FAMILIES + EXTRACTION_ONLY)
+@pytest.fixture(scope="module", params=FAMILIES)
 def extraction_target(request, tmp_path_factory) -> tuple[str, Path]:
     return request.param, _stand_in_once(request.param, tmp_path_factory)
 
