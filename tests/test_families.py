@@ -34,6 +34,7 @@ def _tokenizer(name: str):
     return load_tokenizer(path)
 
 
+@pytest.mark.model  # real tokenizers of 128-201K tokens: 2-4.5 s each to load on 2 cores, beyond the unit tier
 @pytest.mark.parametrize("name", ["deepseek_v3", "qwen3", "llama3", "mistral_nemo", "gptoss"])
 def test_targets_tokenize_as_their_tokenizer_json_says(name):
     """DeepSeek-V3's config names LlamaTokenizerFast over a byte-level BPE; transformers 5 then drops
@@ -49,6 +50,7 @@ def test_targets_tokenize_as_their_tokenizer_json_says(name):
     assert tok.decode(ids) == text
 
 
+@pytest.mark.model
 def test_qwen3s_thinking_switch_reaches_its_template():
     """``generation.chat_template_kwargs: {enable_thinking: false}`` renders Qwen3's real template with
     an empty reasoning block, so answers are supervised without reasoning; on (its default) the
