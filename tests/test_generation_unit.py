@@ -372,6 +372,7 @@ def test_answer_ids_and_their_prompt():
         ("deepseek_v3", "DeepseekV3ForCausalLM", True),
         ("mistral", "MistralForCausalLM", True),
         ("gpt_oss", "GptOssForCausalLM", True),
+        ("gemma4_text", "Gemma4ForCausalLM", True),
         ("gemma3_text", "Gemma3ForCausalLM", False),
         ("gemma2", "Gemma2ForCausalLM", False),
     ],

@@ -516,7 +516,8 @@ def estimate_params(text_config, active: bool = False) -> int:
     (``num_experts`` (Qwen-MoE), ``n_routed_experts`` (DeepSeek), ``num_local_experts``
     (Mixtral, gpt-oss)): a router, ``E`` experts of ``3 h i_e`` (``moe_intermediate_size``, else
     ``intermediate_size``) and DeepSeek's shared experts, with DeepSeek's first
-    ``first_k_dense_replace`` layers and Qwen's ``mlp_only_layers`` dense.
+    ``first_k_dense_replace`` layers and Qwen's ``mlp_only_layers`` dense. Gemma-3n/4's per-layer
+    input embeddings are counted as one more embedding table.
 
     Args:
         text_config: the target's (text) config.
@@ -559,7 +560,9 @@ def estimate_params(text_config, active: bool = False) -> int:
     else:
         mlp = L * dense_mlp
     tied = getattr(c, "tie_word_embeddings", False)
-    return L * (attn + norms) + mlp + v * h * (1 if tied else 2) + h
+    # Gemma-3n/4's per-layer input embeddings: a table of vocab_size_per_layer_input x (L x width)
+    per_layer = (getattr(c, "vocab_size_per_layer_input", None) or 0) * (getattr(c, "hidden_size_per_layer_input", None) or 0) * L
+    return L * (attn + norms) + mlp + v * h * (1 if tied else 2) + h + per_layer
 
 
 def format_plan(plan: list[StageEstimate], jobs: list[dict] | None = None) -> str:

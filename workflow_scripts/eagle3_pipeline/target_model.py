@@ -160,11 +160,20 @@ def _byte_level(tokenizer_json: Path) -> bool:
 
 
 def text_config(path: str | os.PathLike, trust_remote_code: bool = False):
-    """The target's text config (``config.text_config`` for multimodal wrappers)."""
+    """The target's text config (``config.text_config`` for multimodal wrappers), for reading its shape.
+
+    A config with per-layer attributes (transformers' heterogeneous configs, e.g. Gemma-4's
+    ``head_dim`` of 512 in its full-attention layers) answers with its global values instead of
+    raising ``AmbiguousGlobalPerLayerAttributeError``: the pipeline reads the hidden size, layer
+    count, vocabulary and the draft layer's shape, none of which vary per layer.
+    """
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    return getattr(cfg, "text_config", cfg)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    if getattr(cfg, "is_heterogeneous", False) and hasattr(cfg, "allow_global_per_layer_attribute_access"):
+        cfg.allow_global_per_layer_attribute_access = True
+    return cfg
 
 
 def num_hidden_layers(path: str | os.PathLike, trust_remote_code: bool = False) -> int:

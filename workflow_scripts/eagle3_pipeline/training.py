@@ -266,10 +266,13 @@ def draft_decoder_config(target_path: str, num_layers: int, max_seq_len: int, tr
     The shape is speculators 0.9's default EAGLE-3 draft (``speculators train`` without
     ``--draft-config``, draft architecture ``llama``): the target's (text) hidden size, heads
     and KV heads (heads re-derived from ``head_dim`` when the hidden size is not a multiple of
-    the head count), activation, norm epsilon, initializer range, positions and rope settings
+    the head count), norm epsilon, initializer range, positions and rope settings
     (a per-layer-type rope collapsed to one, preferring the sliding-attention one; legacy
     ``type``, ``mrope_interleaved`` and ``partial_rotary_factor`` dropped), untied embeddings,
-    and the target's dense MLP width (3 x hidden size for an MoE target without one).
+    and the target's dense MLP width (3 x hidden size for an MoE target without one). The
+    activation is SiLU whatever the target's: speculators copies the target's, but vLLM's Llama
+    draft layer takes SiLU only (``LlamaMLP``: "Only silu is supported for now"), so a Gemma
+    target's ``gelu_pytorch_tanh`` gave a drafter that trained and then failed to load in vLLM.
 
     Args:
         target_path: the target model directory.
@@ -282,20 +285,16 @@ def draft_decoder_config(target_path: str, num_layers: int, max_seq_len: int, tr
         a ``transformers.LlamaConfig``.
 
     Raises:
-        InputError: the target has no activation, inconsistent attention heads, or a
-            multimodal rope (``mrope_section``), which this drafter does not support.
+        InputError: the target has inconsistent attention heads, or a multimodal rope
+            (``mrope_section``), which this drafter does not support.
     """
     from copy import deepcopy
 
-    from transformers import AutoConfig, LlamaConfig
+    from transformers import LlamaConfig
 
-    v = AutoConfig.from_pretrained(target_path, trust_remote_code=trust_remote_code)
-    v = getattr(v, "text_config", None) or v
-    if getattr(v, "is_heterogeneous", False) and hasattr(v, "allow_global_per_layer_attribute_access"):
-        v.allow_global_per_layer_attribute_access = True  # per-layer attributes: their global values
-    act = getattr(v, "hidden_act", None) or getattr(v, "hidden_activation", None)
-    if act is None:
-        raise InputError(f"{target_path}: its config has neither hidden_act nor hidden_activation; cannot shape a draft layer")
+    from .target_model import text_config
+
+    v = text_config(target_path, trust_remote_code)
     hidden, heads, kv = v.hidden_size, v.num_attention_heads, v.num_key_value_heads
     head_dim = getattr(v, "head_dim", None)
     if head_dim and hidden % heads and hidden % head_dim == 0:
@@ -311,7 +310,7 @@ def draft_decoder_config(target_path: str, num_layers: int, max_seq_len: int, tr
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv,
-        hidden_act=act,
+        hidden_act="silu",  # vLLM's Llama draft layer takes no other (the docstring)
         max_position_embeddings=v.max_position_embeddings,
         initializer_range=v.initializer_range,
         rms_norm_eps=v.rms_norm_eps,
