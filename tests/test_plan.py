@@ -539,6 +539,31 @@ def test_parameter_counts_of_other_families_equal_the_instantiated_model(family)
     assert estimate_params(cfg, active=True) == total - unused
 
 
+def test_a_gemma_4_target_is_planned_from_its_global_shape(tmp_path):
+    """Gemma-4's config has per-layer attributes (head_dim 512 in its full-attention layers), which
+    transformers refuses to read globally by default; the pipeline's text config reads the global values,
+    and the estimate counts each layer's head size and the per-layer inputs: within 1% of the instantiated model."""
+    import torch
+    import transformers
+
+    from eagle3_pipeline.target_model import text_config
+
+    cfg = transformers.Gemma4TextConfig(
+        vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, hidden_size_per_layer_input=16, vocab_size_per_layer_input=1000,
+    )  # fmt: skip
+    cfg.architectures = ["Gemma4ForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(Exception, match="per-layer attribute"):
+        transformers.AutoConfig.from_pretrained(tmp_path).head_dim  # noqa: B018 (what a plain read does)
+    tc = text_config(tmp_path)
+    assert tc.head_dim == 64 and tc.num_hidden_layers == 8
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    assert abs(estimate_params(tc) - total) / total < 0.01, (estimate_params(tc), total)
+
+
 def _fake_workflow(jobs: list[tuple[str, dict, list[str], list[str]]], targets: tuple[str, ...] = ("all",)):
     """A stand-in for Snakemake's Workflow as the hooks read it: the DAG's pending jobs (rule, wildcards,
     inputs, outputs) and its target jobs' rules."""

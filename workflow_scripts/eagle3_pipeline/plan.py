@@ -516,8 +516,8 @@ def estimate_params(text_config, active: bool = False) -> int:
     (``num_experts`` (Qwen-MoE), ``n_routed_experts`` (DeepSeek), ``num_local_experts``
     (Mixtral, gpt-oss)): a router, ``E`` experts of ``3 h i_e`` (``moe_intermediate_size``, else
     ``intermediate_size``) and DeepSeek's shared experts, with DeepSeek's first
-    ``first_k_dense_replace`` layers and Qwen's ``mlp_only_layers`` dense. Gemma-3n/4's per-layer
-    input embeddings are counted as one more embedding table.
+    ``first_k_dense_replace`` layers and Qwen's ``mlp_only_layers`` dense. Gemma-4's per-layer
+    head sizes and per-layer inputs are counted too.
 
     Args:
         text_config: the target's (text) config.
@@ -540,11 +540,10 @@ def estimate_params(text_config, active: bool = False) -> int:
         kv = h * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank + c.kv_lora_rank * heads * (c.qk_nope_head_dim + c.v_head_dim)
         attn = q + kv + heads * c.v_head_dim * h
     else:
-        head_dim = getattr(c, "head_dim", None) or h // heads
-        kv_dim = (getattr(c, "num_key_value_heads", None) or heads) * head_dim
-        attn = 2 * h * heads * head_dim + 2 * h * kv_dim
-        if getattr(c, "model_type", "").startswith("qwen3"):
-            attn += 2 * head_dim  # q_norm, k_norm
+        head_dims = _head_dims(c, h // heads)
+        kv_heads = getattr(c, "num_key_value_heads", None) or heads
+        qk_norms = 2 if getattr(c, "model_type", "").startswith(("qwen3", "gemma4")) else 0  # q_norm, k_norm
+        attn = sum(2 * h * heads * d + 2 * h * kv_heads * d + qk_norms * d for d in head_dims) / L
     dense_mlp = 3 * h * getattr(c, "intermediate_size", 4 * h)
     experts = next((getattr(c, k) for k in ("num_experts", "n_routed_experts", "num_local_experts") if getattr(c, k, None)), 0)
     if experts:
@@ -560,9 +559,21 @@ def estimate_params(text_config, active: bool = False) -> int:
     else:
         mlp = L * dense_mlp
     tied = getattr(c, "tie_word_embeddings", False)
-    # Gemma-3n/4's per-layer input embeddings: a table of vocab_size_per_layer_input x (L x width)
-    per_layer = (getattr(c, "vocab_size_per_layer_input", None) or 0) * (getattr(c, "hidden_size_per_layer_input", None) or 0) * L
-    return L * (attn + norms) + mlp + v * h * (1 if tied else 2) + h + per_layer
+    # Gemma-3n/4's per-layer inputs of width w: a table of vocab_size_per_layer_input x (L x w), the
+    # model's projection to them (h x L w) and each layer's gate and projection (2 h w)
+    w = getattr(c, "hidden_size_per_layer_input", None) or 0
+    per_layer = ((getattr(c, "vocab_size_per_layer_input", None) or 0) * L * w + h * L * w + L * 2 * h * w) if w else 0
+    return int(L * (attn + norms) + mlp + v * h * (1 if tied else 2) + h + per_layer)
+
+
+def _head_dims(c, default: int) -> list[int]:
+    """The attention head size of each layer: ``head_dim``, or a layer's own in configs with
+    per-layer attributes (Gemma-4's ``per_layer_config``: 512 in its full-attention layers)."""
+    head_dim = getattr(c, "head_dim", None) or default
+    per_layer = getattr(c, "per_layer_config", None)  # transformers' view: per_layer_config[j].head_dim
+    if per_layer is None:
+        return [int(head_dim)] * c.num_hidden_layers
+    return [int(getattr(per_layer[j], "head_dim", None) or head_dim) for j in range(c.num_hidden_layers)]
 
 
 def format_plan(plan: list[StageEstimate], jobs: list[dict] | None = None) -> str:
