@@ -64,6 +64,28 @@ def test_qwen3s_thinking_switch_reaches_its_template():
     assert off == on + "<think>\n\n</think>\n\n"
 
 
+@pytest.mark.model
+def test_gpt_oss_answers_split_on_their_harmony_channels():
+    """gpt-oss answers in harmony channels, not think tags, and vLLM's openai_gptoss parser only finds
+    boundaries (its extract_reasoning raises): with that parser named, or none, the split reads the
+    analysis channel as reasoning and the final channel as the answer, from the completion's token ids."""
+    from eagle3_pipeline.generation import make_reasoning_splitter
+
+    tok = _tokenizer("gptoss")
+    completion = "<|channel|>analysis<|message|>Sky colour asked.<|end|><|start|>assistant<|channel|>final<|message|>Blue.<|return|>"
+    ids = tok(completion, add_special_tokens=False)["input_ids"]
+    text = tok.decode(ids, skip_special_tokens=True)  # what vLLM stores by default
+    defaults = {"reasoning_start": "<think>", "reasoning_end": "</think>"}
+    for parser in ("openai_gptoss", None):
+        split = make_reasoning_splitter(defaults | {"reasoning_parser": parser}, tok)
+        assert split(text, ids) == ("Sky colour asked.", "Blue.")
+        cut = ids[: ids.index(tok.convert_tokens_to_ids("<|end|>"))]  # stopped at max_tokens inside the analysis
+        assert split(tok.decode(cut), cut) == ("Sky colour asked.", "")
+        assert split("Blue.", tok("Blue.")["input_ids"]) == (None, "Blue.")  # no channel at all
+    with pytest.raises(ValueError, match="no harmony tokens"):
+        make_reasoning_splitter(defaults | {"reasoning_parser": "openai_gptoss"}, _tokenizer("qwen3"))
+
+
 def stand_in(family: str, dest: Path) -> Path:
     """A small target of ``family`` with random bf16 weights (seed 0) and the family's real tokenizer,
     chat template, end-of-turn tokens and vocabulary size: the shapes that matter to the pipeline,

@@ -72,21 +72,79 @@ def split_reasoning(text: str, start: str = THINK_START, end: str = THINK_END) -
     return None, text
 
 
+#: gpt-oss's harmony format: a completion is messages ``<|channel|>NAME<|message|>CONTENT``, each
+#: ended by ``<|end|>`` (``<|return|>``, ``<|call|>`` at the last) and the next opened by
+#: ``<|start|>assistant`` (OpenAI's harmony response format).
+HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
+#: vLLM's name of gpt-oss's reasoning parser, which finds boundaries only (vLLM parses such output
+#: with the openai_harmony package): the split is :func:`harmony_splitter`'s.
+HARMONY_PARSER = "openai_gptoss"
+
+
+def harmony_token_ids(tokenizer) -> dict[str, int] | None:
+    """The ids of :data:`HARMONY_TOKENS` when each is one token of ``tokenizer`` (a harmony tokenizer
+    such as gpt-oss's o200k_harmony), else None."""
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in HARMONY_TOKENS}
+    unk = getattr(tokenizer, "unk_token_id", None)
+    return ids if all(isinstance(i, int) and i != unk for i in ids.values()) else None
+
+
+def harmony_splitter(tokenizer, ids: dict[str, int]):
+    """``(text, token_ids) -> (reasoning | None, answer)`` for harmony completions: the decoded
+    contents of the ``analysis`` channel's messages (None when there is none) and of the ``final``
+    channel's (the whole decoded completion when it has no channel at all, e.g. cut before one)."""
+    opener, channel, message = ids["<|start|>"], ids["<|channel|>"], ids["<|message|>"]
+    closers = {ids["<|end|>"], ids["<|return|>"], ids["<|call|>"], opener}
+
+    def split(text: str, token_ids: Sequence[int]) -> tuple[str | None, str]:
+        parts: dict[str, list[int]] = {}
+        i, n = 0, len(token_ids)
+        while i < n:
+            if token_ids[i] != channel:
+                i += 1
+                continue
+            j = i + 1
+            while j < n and token_ids[j] != message:
+                j += 1
+            name = tokenizer.decode(list(token_ids[i + 1 : j])).strip()
+            k = j + 1
+            while k < n and token_ids[k] not in closers:
+                k += 1
+            parts.setdefault(name, []).extend(token_ids[j + 1 : k])
+            i = k
+        if not parts:
+            return None, text
+        reasoning = tokenizer.decode(parts["analysis"]) if "analysis" in parts else None
+        return reasoning, tokenizer.decode(parts.get("final", [])).strip()
+
+    return split
+
+
 def make_reasoning_splitter(gen_cfg: dict, tokenizer):
-    """A function ``text -> (reasoning | None, answer)`` for the configured reasoning format.
+    """A function ``(text, completion token ids) -> (reasoning | None, answer)`` for the configured
+    reasoning format.
 
     With ``gen_cfg["reasoning_parser"]`` set, vLLM's parser of that name
-    (``ReasoningParserManager``) does the split, as vLLM's server would; otherwise
-    :func:`split_reasoning` on the configured tags.
+    (``ReasoningParserManager``) does the split, as vLLM's server would; gpt-oss's
+    (:data:`HARMONY_PARSER`), and a harmony tokenizer without a parser, split by
+    :func:`harmony_splitter`; otherwise :func:`split_reasoning` on the configured tags.
 
     Raises:
         ValueError: the parser name is unknown to vLLM, or the parser rejects the
-            tokenizer (e.g. its think tokens are not in the vocabulary).
+            tokenizer (e.g. its think tokens are not in the vocabulary, or a harmony parser
+            for a tokenizer without the harmony tokens).
     """
     name = gen_cfg.get("reasoning_parser")
+    harmony = harmony_token_ids(tokenizer) if name in (None, "", HARMONY_PARSER) else None
+    if name == HARMONY_PARSER and harmony is None:
+        raise ValueError(
+            f"generation.reasoning_parser={name!r} does not fit the target tokenizer: it has no harmony tokens {HARMONY_TOKENS}"
+        )
+    if harmony is not None:
+        return harmony_splitter(tokenizer, harmony)
     if not name:
         start, end = gen_cfg["reasoning_start"], gen_cfg["reasoning_end"]
-        return lambda text: split_reasoning(text, start, end)
+        return lambda text, token_ids=(): split_reasoning(text, start, end)
     from vllm.reasoning import ReasoningParserManager
 
     try:
@@ -96,7 +154,7 @@ def make_reasoning_splitter(gen_cfg: dict, tokenizer):
     except (RuntimeError, ValueError) as e:
         raise ValueError(f"generation.reasoning_parser={name!r} does not fit the target tokenizer: {e}") from e
 
-    def split(text: str) -> tuple[str | None, str]:
+    def split(text: str, token_ids: Sequence[int] = ()) -> tuple[str | None, str]:
         reasoning, content = parser.extract_reasoning(text, None)
         return reasoning, content or ""
 
@@ -310,7 +368,7 @@ def generate_chunks(
                     )
                     continue
                 seen[tuple(comp_ids)] = aid
-                reasoning, answer = split(comp.text)
+                reasoning, answer = split(comp.text, comp_ids)
                 res.traces.append(
                     {
                         "id": aid,
