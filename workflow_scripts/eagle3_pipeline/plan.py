@@ -538,12 +538,12 @@ def estimate_params(text_config, active: bool = False) -> int:
         q_rank = getattr(c, "q_lora_rank", None)
         q = (h * q_rank + q_rank + q_rank * heads * qk) if q_rank else h * heads * qk
         kv = h * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank + c.kv_lora_rank * heads * (c.qk_nope_head_dim + c.v_head_dim)
-        attn = q + kv + heads * c.v_head_dim * h
+        attn = L * (q + kv + heads * c.v_head_dim * h)
     else:
         head_dims = _head_dims(c, h // heads)
         kv_heads = getattr(c, "num_key_value_heads", None) or heads
         qk_norms = 2 if getattr(c, "model_type", "").startswith(("qwen3", "gemma4")) else 0  # q_norm, k_norm
-        attn = sum(2 * h * heads * d + 2 * h * kv_heads * d + qk_norms * d for d in head_dims) / L
+        attn = sum(2 * h * heads * d + 2 * h * kv_heads * d + qk_norms * d for d in head_dims)
     dense_mlp = 3 * h * getattr(c, "intermediate_size", 4 * h)
     experts = next((getattr(c, k) for k in ("num_experts", "n_routed_experts", "num_local_experts") if getattr(c, k, None)), 0)
     if experts:
@@ -563,7 +563,7 @@ def estimate_params(text_config, active: bool = False) -> int:
     # model's projection to them (h x L w) and each layer's gate and projection (2 h w)
     w = getattr(c, "hidden_size_per_layer_input", None) or 0
     per_layer = ((getattr(c, "vocab_size_per_layer_input", None) or 0) * L * w + h * L * w + L * 2 * h * w) if w else 0
-    return int(L * (attn + norms) + mlp + v * h * (1 if tied else 2) + h + per_layer)
+    return attn + L * norms + mlp + v * h * (1 if tied else 2) + h + per_layer
 
 
 def _head_dims(c, default: int) -> list[int]:
