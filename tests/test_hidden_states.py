@@ -234,3 +234,35 @@ def test_fp8_dequantization_on_cpu_equals_torchs_cast_for_every_bit_pattern():
         assert torch.equal(got[~nan], want[~nan])
     strided = q.transpose(0, 1)  # a non-contiguous view reads the same values
     assert torch.equal(dequantize_fp8(strided, scale.T, torch.float32).nan_to_num(), (strided.float() * scale.T[..., None]).nan_to_num())
+
+
+def test_a_compressed_tensors_target_is_extracted_from_its_dequantized_weights(tmp_path):
+    """A W4A16 checkpoint (compressed-tensors, Kimi-K2.5's format) goes through the hf backend: its
+    states equal a float32 forward of the dequantized weights within bf16 rounding. transformers'
+    default kept it compressed until a call of the whole model, which extraction never makes, and
+    every quantized layer failed with "'Linear' object has no attribute 'weight'"."""
+    import transformers
+    from quant_support import dequantized_fp32, quantize
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=128, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    target = quantize(tmp_path / "bf16", tmp_path / "w4a16", dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32))
+    assert json.loads((target / "config.json").read_text())["quantization_config"]["format"] == "pack-quantized"
+    gen = torch.Generator().manual_seed(1)
+    samples = [Sample(f"s{i}", torch.randint(0, 256, (n,), generator=gen).numpy(), loss_mask(4, n - 4)) for i, n in enumerate([9, 23, 16])]
+    layer_ids = [1, 2, 4]
+    got = torch.cat(extract_hf(load_hf_target(str(target), "cpu"), samples, layer_ids, batch_tokens=4096, storage_dtype=torch.float32))
+    ref = torch.cat(extract_hf(dequantized_fp32(target), samples, layer_ids, batch_tokens=4096, storage_dtype=torch.float32))
+    unquantized = torch.cat(
+        extract_hf(
+            load_hf_target(str(tmp_path / "bf16"), "cpu").float(), samples, layer_ids, batch_tokens=4096, storage_dtype=torch.float32
+        )
+    )
+    for k in range(len(layer_ids)):
+        rms = ref[:, k].pow(2).mean().sqrt()
+        assert (got[:, k] - ref[:, k]).pow(2).mean().sqrt() / rms < 0.01  # bf16 compute of the same weights
+        assert (unquantized[:, k] - ref[:, k]).pow(2).mean().sqrt() / rms > 0.03  # 4-bit weights do change the states

@@ -61,8 +61,16 @@ def load_hf_target(model_path: str, device: str = "auto", trust_remote_code: boo
     explicit ``"cpu"``, ``"cuda"``, ``"cuda:N"``. ``dtype``: ``"auto"`` keeps the
     checkpoint's dtype, except on a CPU without fast bf16 where it loads float32
     (:func:`eagle3_pipeline.precision.resolve_dtype`); or a torch dtype name.
+
+    A compressed-tensors checkpoint (W4A16, FP8, ...) is decompressed as it loads
+    (transformers' ``run_compressed=False``): its weights are held dequantized in the
+    checkpoint's compute dtype, and a scheme with quantized activations (FP8 dynamic) still
+    quantizes them in each forward, as the checkpoint prescribes. transformers' default would
+    decompress on the first call of the whole model, a hook that extraction, which calls the
+    decoder without its head, never fires (every quantized layer then fails for want of a
+    ``weight``).
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, CompressedTensorsConfig
 
     from .precision import resolve_dtype
 
@@ -70,6 +78,9 @@ def load_hf_target(model_path: str, device: str = "auto", trust_remote_code: boo
         "dtype": resolve_dtype(dtype, device, "the hf backend's target") or "auto",
         "trust_remote_code": trust_remote_code,
     }
+    quantization = getattr(AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code), "quantization_config", None)
+    if isinstance(quantization, dict) and quantization.get("quant_method") == "compressed-tensors":
+        kw["quantization_config"] = CompressedTensorsConfig(run_compressed=False)
     if device == "auto" and torch.cuda.device_count() > 1:
         kw["device_map"] = "auto"
     elif device == "auto":

@@ -1,0 +1,94 @@
+"""Quantized targets for the tests: a bf16 checkpoint quantized with compressed-tensors' public API
+(the format of llm-compressor's releases, Kimi-K2.5's W4A16 among them), and the float32 reference
+its states are compared with."""
+
+from pathlib import Path
+
+import torch
+
+
+def quantize(src: Path, dest: Path, weights: dict) -> Path:
+    """The target at ``src`` quantized to compressed-tensors with the weight scheme ``weights``
+    (``QuantizationArgs`` fields), written to ``dest`` with its tokenizer: every ``Linear`` but
+    ``lm_head`` (embeddings and norms stay bf16, as in quantized releases), min-max scales (no
+    calibration: weights are random), integer weights packed (``pack-quantized``), fp8 ones stored
+    as ``float8_e4m3fn`` (``float-quantized``). Fp8 weights get fp8 per-token activations, as in
+    llm-compressor's FP8_DYNAMIC; integer weights keep bf16 activations (W4A16). The tokenizer is
+    copied where ``src`` has one."""
+    import transformers
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        QuantizationStatus,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    wargs = QuantizationArgs(**weights)
+    fp8 = wargs.type == "float"
+    acts = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True) if fp8 else None
+    scheme = QuantizationScheme(targets=["Linear"], weights=wargs, input_activations=acts)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    for module in model.modules():
+        if getattr(module, "quantization_scheme", None) is None:
+            continue
+        w = module.weight.detach().float()
+        if wargs.strategy == "group":
+            w = w.reshape(w.shape[0], -1, wargs.group_size)
+        scale, zero_point = calculate_qparams(w.amin(-1), w.amax(-1), wargs)
+        module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+        module.weight_zero_point.data.copy_(zero_point.reshape(module.weight_zero_point.shape))
+        module.quantization_status = QuantizationStatus.FROZEN
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="float-quantized" if fp8 else "pack-quantized")
+    compressor.compress_model(model)
+    model.save_pretrained(dest)
+    compressor.update_config(dest)
+    if (src / "tokenizer_config.json").is_file():
+        transformers.AutoTokenizer.from_pretrained(src).save_pretrained(dest)
+    return dest
+
+
+def dequantized_fp32(target: Path):
+    """A float32 model of ``target`` computing as its checkpoint prescribes: quantized weights
+    dequantized (transformers' ``run_compressed=False``), and where the scheme quantizes activations
+    (fp8 per token, dynamic), each quantized layer's input rounded to float8_e4m3fn with a scale per
+    token of max|x| / 448 (written here, independently of both backends' kernels). The reference a
+    quantized target's states are compared with; an unquantized target is loaded in float32."""
+    import transformers
+
+    from eagle3_pipeline.hf_backend import load_hf_target
+
+    config = transformers.AutoConfig.from_pretrained(target)
+    if getattr(config, "quantization_config", None) is None:
+        return load_hf_target(str(target), "cpu").float()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        target, dtype=torch.bfloat16, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False)
+    )
+    acts = [g.get("input_activations") for g in config.quantization_config["config_groups"].values()]
+    del config.quantization_config
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(
+        {
+            k: v.float()
+            for k, v in loaded.state_dict().items()
+            if not k.rsplit(".", 1)[-1].startswith(("weight_scale", "weight_shape", "weight_zero_point", "input_"))
+        },
+        strict=False,
+    )
+    assert not missing, missing
+    if any(acts):
+        assert acts[0] == acts[0] | {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}, acts
+
+        def fp8_per_token(module, args):
+            x = args[0]
+            scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+            return ((x / scale).to(torch.float8_e4m3fn).float() * scale,)
+
+        quantized = {k.rsplit(".", 1)[0] for k in loaded.state_dict() if k.endswith(".weight_scale")}
+        for name, module in model.named_modules():
+            if name in quantized:
+                module.register_forward_pre_hook(fp8_per_token)
+    return model.eval()
