@@ -56,13 +56,17 @@ def dequantized_fp32(target: Path):
     dequantized (transformers' ``run_compressed=False``), and where the scheme quantizes activations
     (fp8 per token, dynamic), each quantized layer's input rounded to float8_e4m3fn with a scale per
     token of max|x| / 448 (written here, independently of both backends' kernels). The reference a
-    quantized target's states are compared with; an unquantized target is loaded in float32."""
+    quantized target's states are compared with. An unquantized target, or one in the fp8 format of
+    :func:`quantize_fp8_blocks`, is loaded in float32 (transformers dequantizes the latter's
+    weights as it loads on a CPU, and leaves its activations unquantized)."""
     import transformers
 
     from eagle3_pipeline.hf_backend import load_hf_target
 
     config = transformers.AutoConfig.from_pretrained(target)
-    if getattr(config, "quantization_config", None) is None:
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None or quantization["quant_method"] != "compressed-tensors":
+        # transformers dequantizes the fp8 release format as it loads on a CPU (activations unquantized)
         return load_hf_target(str(target), "cpu").float()
     loaded = transformers.AutoModelForCausalLM.from_pretrained(
         target, dtype=torch.bfloat16, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False)
@@ -92,3 +96,37 @@ def dequantized_fp32(target: Path):
             if name in quantized:
                 module.register_forward_pre_hook(fp8_per_token)
     return model.eval()
+
+
+def quantize_fp8_blocks(src: Path, dest: Path, block: int = 128) -> Path:
+    """The target at ``src`` in the fp8 format of DeepSeek-V3's and Qwen3's own FP8 releases
+    (``quant_method: fp8``, not compressed-tensors), written to ``dest``: every 2-D ``*.weight``
+    but the embeddings and ``lm_head`` as ``float8_e4m3fn`` with one float32 ``weight_scale_inv``
+    (max|w| / 448, the multiplier that restores the weight) per ``block`` x ``block`` tile, and
+    activations quantized dynamically by the engine. Other files are copied."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dest)
+    out = {}
+    for key, w in load_file(src / "model.safetensors").items():
+        if key.endswith(".weight") and w.ndim == 2 and "embed" not in key and "lm_head" not in key:
+            rows, cols = w.shape
+            tiles = w.float().reshape(rows // block, block, cols // block, block)
+            scale = tiles.abs().amax((1, 3)).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+            out[key] = (tiles / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
+            out[key + "_scale_inv"] = scale.contiguous()
+        else:
+            out[key] = w
+    save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+    }
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
