@@ -97,7 +97,8 @@ def stand_in(family: str, dest: Path) -> Path:
     - ``qwen3``: Qwen3ForCausalLM, 8 layers, hidden 128: qk-norm attention, untied head, 151,936 tokens,
       the thinking template.
     - ``qwen3_moe``: Qwen3MoeForCausalLM, 8 layers, 8 experts (2 per token), every layer sparse.
-    - ``deepseek_v3``: DeepseekV3ForCausalLM shaped like Kimi-K2, 8 layers, hidden 256: MLA (q_lora 96, kv_lora 512), a dense
+    - ``deepseek_v3``: DeepseekV3ForCausalLM shaped like Kimi-K2, 8 layers, hidden 256: MLA (q_lora 96, kv_lora 512,
+      DeepSeek-V3's head sizes 128 / 64 / 128, the only ones vLLM 0.26's GPU MLA prefill takes), a dense
       first layer then shared + 8 routed experts with sigmoid, bias-corrected routing (``noaux_tc``),
       163,840 vocabulary entries (Kimi-K2's; DeepSeek-V3's tokenizer fills the first 128,815), and a
       template whose assistant turn opens ``<think>``.
@@ -151,7 +152,7 @@ def stand_in(family: str, dest: Path) -> Path:
             vocab_size=163840, hidden_size=256, intermediate_size=512, moe_intermediate_size=64, num_hidden_layers=8,
             num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
             n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=96, kv_lora_rank=512, qk_rope_head_dim=64,
-            qk_nope_head_dim=64, v_head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False,
+            qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=2048, tie_word_embeddings=False,
             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, torch_dtype="bfloat16",
             topk_method="noaux_tc", scoring_func="sigmoid",  # DeepSeek-V3's routing; vLLM reads these keys
         )  # fmt: skip

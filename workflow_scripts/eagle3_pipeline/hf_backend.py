@@ -68,9 +68,12 @@ def load_hf_target(model_path: str, device: str = "auto", trust_remote_code: boo
     quantizes them in each forward, as the checkpoint prescribes. transformers' default would
     decompress on the first call of the whole model, a hook that extraction, which calls the
     decoder without its head, never fires (every quantized layer then fails for want of a
-    ``weight``).
+    ``weight``). The fp8 format of DeepSeek-V3's and Qwen3's own releases (``quant_method:
+    fp8``, 128 x 128 tiles) is dequantized as it loads as well (``FineGrainedFP8Config(
+    dequantize=True)``): on a GPU transformers would run it through a kernel of the ``kernels``
+    package, fetched from the model hub, which an offline host cannot.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, CompressedTensorsConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, CompressedTensorsConfig, FineGrainedFP8Config
 
     from .precision import resolve_dtype
 
@@ -81,6 +84,8 @@ def load_hf_target(model_path: str, device: str = "auto", trust_remote_code: boo
     quantization = getattr(AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code), "quantization_config", None)
     if isinstance(quantization, dict) and quantization.get("quant_method") == "compressed-tensors":
         kw["quantization_config"] = CompressedTensorsConfig(run_compressed=False)
+    elif isinstance(quantization, dict) and quantization.get("quant_method") == "fp8":
+        kw["quantization_config"] = FineGrainedFP8Config(dequantize=True)
     if device == "auto" and torch.cuda.device_count() > 1:
         kw["device_map"] = "auto"
     elif device == "auto":
