@@ -66,6 +66,9 @@ def test_kimi_example_dry_runs_with_tp8_full_model_jobs(tmp_path):
     blocks = re.split(r"^\[.*\d{4}\]$", out, flags=re.M)  # one block per job, after its timestamp line
     gen = next(b for b in blocks if "rule generate_traces:" in b)
     assert "gpu=8" in gen and "full_model=1" in gen and "rule extract_hidden_states:" not in gen
+    # extraction prefills the INT4 weights in vLLM, tensor parallel 8 (the hf backend would dequantize them)
+    ext = next(b for b in blocks if "rule extract_hidden_states:" in b)
+    assert "gpu=8" in ext and "full_model=1" in ext
 
 
 def test_typo_in_config_is_a_clear_error(tmp_path):
