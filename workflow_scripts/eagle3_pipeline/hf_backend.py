@@ -8,6 +8,7 @@ hidden states (:class:`LayerCapture`), written into the job's shard (:mod:`eagle
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -90,7 +91,9 @@ def load_hf_target(model_path: str, device: str = "auto", trust_remote_code: boo
         kw["device_map"] = "auto"
     elif device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(model_path, **kw)
+    with warnings.catch_warnings():  # passing a quantized checkpoint's loading attributes is meant, not a mistake
+        warnings.filterwarnings("ignore", message="You passed `quantization_config`", category=UserWarning)
+        model = AutoModelForCausalLM.from_pretrained(model_path, **kw)
     return (model if "device_map" in kw else model.to(device)).eval()
 
 
