@@ -15,12 +15,14 @@ from eagle3_pipeline.config import validate_config
 from eagle3_pipeline.conventions import loss_mask
 from eagle3_pipeline.hf_backend import extract_hf, load_hf_target
 from eagle3_pipeline.hidden_states import extraction_fingerprint, run_extraction_shard
+from eagle3_pipeline.io import InputError
 from eagle3_pipeline.shards import Sample, ShardReader, ShardWriter, read_shard
 from eagle3_pipeline.vllm_extraction import (
     ChunkFiller,
     engine_layer_ids,
     engine_overrides,
     error_path,
+    extraction_max_model_len,
     parse_route,
     route,
     spec_path,
@@ -128,8 +130,35 @@ def _bf16_ulp(x: float) -> float:
     return 2.0 ** (math.floor(math.log2(x)) - 7)
 
 
+def _short_context_copy(target_dir: Path, dest: Path, context: int) -> Path:
+    """The target with its context length (``max_position_embeddings``) cut to ``context`` tokens:
+    its files linked, config.json rewritten. SmolLM2's RoPE does not depend on that key, so the
+    states of shorter samples are the real target's."""
+    dest.mkdir()
+    for f in target_dir.iterdir():
+        (dest / f.name).symlink_to(f.resolve())
+    cfg = json.loads((target_dir / "config.json").read_text())
+    (dest / "config.json").unlink()
+    (dest / "config.json").write_text(json.dumps(cfg | {"max_position_embeddings": context}))
+    return dest
+
+
+def test_the_extraction_engine_takes_samples_as_long_as_the_targets_context(tmp_path, target_dir):
+    """One token past the context is allowed for the discarded sampled token only; longer is an error."""
+    short = _short_context_copy(target_dir, tmp_path / "short", 512)
+    assert extraction_max_model_len(str(target_dir), 512, False) == (513, False)  # 8,192-token context
+    assert extraction_max_model_len(str(short), 511, False) == (512, False)
+    assert extraction_max_model_len(str(short), 512, False) == (513, True)
+    with pytest.raises(InputError, match=r"max_seq_len 513 exceeds the context length .*512 tokens.*set max_seq_len to 512 or less"):
+        extraction_max_model_len(str(short), 513, False)
+
+
 def test_vllm_backend_matches_hf_backend_and_an_fp32_forward(tmp_path, target_dir, tokenizer):
     """Same samples, ids, masks and layer order as the hf backend; states within the stated bf16 tolerance.
+
+    The target's context is cut to the run's ``max_seq_len`` (512): the engine must still take
+    samples of that length, as vLLM asks one token past them (a Kimi-K2.5 stand-in whose
+    context equalled ``max_seq_len`` failed there on an H100).
 
     Both backends compute in the resolved ``auto`` dtype: bf16 on a CPU with fast bf16, float32
     without (eagle3_pipeline.precision); the tolerance is set for bf16 and holds for both.
@@ -151,13 +180,14 @@ def test_vllm_backend_matches_hf_backend_and_an_fp32_forward(tmp_path, target_di
         }
     )
     ex = cfg["extraction"] | {"data_parallel_size": 1, "gpus_per_replica": 1}
+    target = _short_context_copy(target_dir, tmp_path / "target", 512)
     idx = {}
     for backend in ("hf", "vllm"):
         idx[backend] = run_extraction_shard(
             str(tmp_path / "traces.jsonl"),
             str(tmp_path / f"{backend}.safetensors"),
             str(tmp_path / f"{backend}.index.json"),
-            str(target_dir),
+            str(target),
             ex | {"backend": backend, "engine": cfg["vllm"]},
             max_seq_len=512,
             trust_remote_code=False,

@@ -306,6 +306,43 @@ def wait_for_chunks(paths: Sequence[Path], *, timeout_s: float, poll_s: float = 
         paths = missing
 
 
+def extraction_max_model_len(target: str, max_seq_len: int, trust_remote_code: bool) -> tuple[int, bool]:
+    """The extraction engine's ``max_model_len`` for samples of up to ``max_seq_len`` tokens.
+
+    Every request asks for one output token, and vLLM's input processor refuses a prompt of
+    ``max_model_len`` tokens or more, so the engine needs ``max_seq_len + 1``. Where that is one
+    past the target's context length (vLLM's own derived ``max_model_len``: ``max_position_embeddings``
+    and its kin in config.json, the tokenizer's ``model_max_length``, RoPE scaling), vLLM refuses it
+    unless ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` is set. Allowing it is safe here: the extra position
+    belongs to the sampled token, which is discarded and never goes through a forward pass, so
+    no position at or past the context length is computed.
+
+    Args:
+        target: the target's model directory.
+        max_seq_len: the run's ``max_seq_len`` (tokens), the longest sample.
+        trust_remote_code: as for loading the target.
+
+    Returns:
+        ``(max_model_len, allow_long)``: ``max_seq_len + 1``, and whether the engine must be
+        told to accept it (``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1``).
+
+    Raises:
+        InputError: ``max_seq_len`` exceeds the target's context length (generation under vLLM
+            refuses it too).
+    """
+    from vllm.config import ModelConfig
+
+    from .io import InputError
+
+    context = ModelConfig(model=target, trust_remote_code=trust_remote_code).max_model_len
+    if max_seq_len > context:
+        raise InputError(
+            f"max_seq_len {max_seq_len} exceeds the context length of {target} ({context} tokens, as vLLM derives it "
+            f"from its config.json and tokenizer): set max_seq_len to {context} or less"
+        )
+    return max_seq_len + 1, max_seq_len == context
+
+
 def vllm_extraction_replica(job: dict, rank: int, chunks) -> None:
     """One vLLM engine of an extraction job: prefill the chunks it takes from ``chunks``.
 
@@ -331,11 +368,14 @@ def vllm_extraction_replica(job: dict, rank: int, chunks) -> None:
     # the engine process imports the connector by module path
     os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])
     load = Timer()
+    max_model_len, allow_long = extraction_max_model_len(job["target"], job["max_seq_len"], job["trust_remote_code"])
+    if allow_long:
+        os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     llm = build_llm(
         job["target"],
         job["engine"],
         seed=0,
-        max_model_len=job["max_seq_len"] + 1,  # + the one sampled token
+        max_model_len=max_model_len,
         trust_remote_code=job["trust_remote_code"],
         **engine_overrides(job["layer_ids"]),
     )
