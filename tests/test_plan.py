@@ -645,6 +645,26 @@ def test_the_evaluation_estimate_includes_its_speedup_measurement(tmp_path):
     assert "speedup" not in ev_off.source
 
 
+def test_the_gpu_examples_evaluation_estimate_includes_the_speedup_its_run_measured(tmp_path):
+    """The GPU example's plan on cuda counts its speedup measurement (1, 16 and 64 in flight) from the
+    rows its H100 run measured (benchmarks/results/full_example_h100.json), and lands within 25% of
+    that run's evaluate_drafter wall time (167.8 s; without the measurement the estimate was 99.9 s)."""
+    cfg = validate_config(yaml.safe_load((ROOT / "config/examples/smollm2-h200.yaml").read_text()))
+    ev = _by_stage(make_plan(cfg, BUILTIN_SHAPE, tmp_path, "cuda"))["evaluate_drafter"]
+    run = json.loads((ROOT / "benchmarks/results/full_example_h100.json").read_text())
+    rows = run["evaluation"]["speedup"]
+    decode = sum(r[side]["seconds"] for r in rows for side in ("with_drafter", "without_drafter"))
+    second_engine = 167.8 - run["evaluation"]["model_load_seconds"] - 1.0 - decode  # the job, less load, tau's decoding, the rows
+    tokens = 64 * 256  # per side and concurrency: max_prompts x max_tokens
+    speed = second_engine + sum(
+        tokens * r[side]["seconds"] / r[side]["output_tokens"] for r in rows for side in ("with_drafter", "without_drafter")
+    )
+    assert ev.work["speedup_seconds"] == pytest.approx(speed, rel=0.01)
+    assert "speedup measurement" in ev.source and "full_example_h100.json" in ev.source
+    actual = next(e["actual_seconds"] for e in run["estimate_vs_actual"] if e["stage"] == "evaluate_drafter")
+    assert 0.75 <= actual / ev.seconds <= 1.25
+
+
 def test_a_finished_evaluation_plans_the_next_from_its_own_speedup_rows(tmp_path):
     run = tmp_path / "results" / "r"
     (run / "eval").mkdir(parents=True)
