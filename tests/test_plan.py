@@ -564,6 +564,28 @@ def test_a_gemma_4_target_is_planned_from_its_global_shape(tmp_path):
     assert abs(estimate_params(tc) - total) / total < 0.01, (estimate_params(tc), total)
 
 
+def test_the_embedded_targets_known_shape_is_the_materialized_targets(target_dir):
+    """The shape checks and plans use before the embedded target exists equals its config.json and
+    its parameter count (the count of the instantiated model, independently)."""
+    import torch
+    import transformers
+
+    from eagle3_pipeline.target_model import BUILTIN_CONFIG, text_config
+    from eagle3_pipeline.target_model import BUILTIN_SHAPE as CHECK_SHAPE
+
+    tc = text_config(target_dir)
+    assert {
+        "num_hidden_layers": tc.num_hidden_layers,
+        "vocab_size": tc.vocab_size,
+        "hidden_size": tc.hidden_size,
+        "params": estimate_params(tc),
+    } == BUILTIN_CONFIG
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(target_dir))
+    assert BUILTIN_CONFIG["params"] == sum(p.numel() for p in model.parameters())  # tied embeddings counted once
+    assert CHECK_SHAPE == (30, 49152) and BUILTIN_SHAPE == {"params": 134_515_008, "num_hidden_layers": 30, "hidden_size": 576}
+
+
 def _fake_workflow(jobs: list[tuple[str, dict, list[str], list[str]]], targets: tuple[str, ...] = ("all",)):
     """A stand-in for Snakemake's Workflow as the hooks read it: the DAG's pending jobs (rule, wildcards,
     inputs, outputs) and its target jobs' rules."""

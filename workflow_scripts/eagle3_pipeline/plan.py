@@ -32,6 +32,7 @@ from pathlib import Path
 
 from .layout import RunLayout
 from .sweep import shares_drafter, variant_configs
+from .target_model import BUILTIN_CONFIG
 
 #: Each stage's output that records its work: (the layout's file of a job, tokens key, seconds key,
 #: model load seconds key). A per-shard stage's file takes the job's shard.
@@ -620,8 +621,9 @@ def start_plans(run_dir: str | Path) -> list[Path]:
     return RunLayout.at(run_dir).start_plans()
 
 
-#: The embedded target's shape (SmolLM2-135M-Instruct), for plans made before it is materialized.
-BUILTIN_SHAPE = {"params": 134_515_008, "num_hidden_layers": 30, "hidden_size": 576}
+#: The embedded target's shape as a plan reads it (:data:`eagle3_pipeline.target_model.BUILTIN_CONFIG`),
+#: for plans made before it is materialized.
+BUILTIN_SHAPE = {k: BUILTIN_CONFIG[k] for k in ("params", "num_hidden_layers", "hidden_size")}
 
 
 def plan_run(

@@ -186,8 +186,12 @@ def target_vocab_size(path: str | os.PathLike, trust_remote_code: bool = False) 
     return int(text_config(path, trust_remote_code).vocab_size)
 
 
-#: (num_hidden_layers, vocab_size) of the embedded target, for checks before it is materialized.
-BUILTIN_SHAPE = (30, 49152)
+#: The embedded target's shape (SmolLM2-135M-Instruct's config.json; ``params`` is
+#: :func:`eagle3_pipeline.plan.estimate_params` of it), for checks and plans made before it is
+#: materialized; a model test compares it with the materialized target.
+BUILTIN_CONFIG = {"num_hidden_layers": 30, "vocab_size": 49152, "hidden_size": 576, "params": 134_515_008}
+#: (num_hidden_layers, vocab_size) of the embedded target (:data:`BUILTIN_CONFIG`), for config checks.
+BUILTIN_SHAPE = (BUILTIN_CONFIG["num_hidden_layers"], BUILTIN_CONFIG["vocab_size"])
 
 
 def target_shape(path: str | os.PathLike) -> tuple[int, int]:
