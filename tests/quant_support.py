@@ -130,3 +130,67 @@ def quantize_fp8_blocks(src: Path, dest: Path, block: int = 128) -> Path:
     }
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     return dest
+
+
+#: The attention and expert projections a W4A16 mixture of experts quantizes (Kimi-K2.5's routed
+#: experts and attention; its router, embeddings, norms and lm_head stay bf16).
+MOE_W4A16_WEIGHTS = r".*(self_attn\.[qkvo]_proj|mlp\.experts\.\d+\.(gate|up|down)_proj)\.weight$"
+
+
+def quantize_moe_w4a16(src: Path, dest: Path, group_size: int = 32) -> Path:
+    """A mixture-of-experts target at ``src`` (a checkpoint with one tensor per expert, as
+    transformers saves them) quantized to compressed-tensors W4A16 the way Kimi-K2.5 is: 4-bit
+    symmetric integer weights in groups of ``group_size`` along the input dimension, packed
+    (``pack-quantized``: ``weight_packed``, ``weight_scale``, ``weight_shape``) for every tensor
+    :data:`MOE_W4A16_WEIGHTS` matches, each expert's projections on their own. Written by hand per
+    tensor with compressed-tensors' compressor, because its model-level API targets ``Linear``
+    modules and transformers 5 holds a layer's experts as one fused 3-D parameter. The router
+    (``mlp.gate``) and ``lm_head`` are ignored, as in quantized releases; other files are copied."""
+    import json
+    import re
+    import shutil
+
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("model.safetensors"))
+    weights = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size)
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights)
+    out, pattern = {}, re.compile(MOE_W4A16_WEIGHTS)
+    for key, w in load_file(src / "model.safetensors").items():
+        if not pattern.match(key):
+            out[key] = w
+            continue
+        groups = w.float().reshape(w.shape[0], -1, group_size)
+        scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), weights)
+        packed = PackedQuantizationCompressor.compress(
+            {"weight": w, "weight_scale": scale.to(w.dtype), "weight_zero_point": zero_point}, scheme
+        )
+        out.update({key.removesuffix("weight") + name: t.contiguous() for name, t in packed.items()})
+    save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {"targets": ["Linear"], "format": "pack-quantized", "weights": weights.model_dump(), "input_activations": None}
+        },
+        "ignore": ["lm_head", "re:.*mlp.gate$"],
+    }
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
+
+
+def fake_quantized_int4(w: torch.Tensor, group_size: int = 32) -> torch.Tensor:
+    """``w`` as symmetric 4-bit integers in groups of ``group_size`` along its last dimension make it,
+    in float32: scale = max|group| / 7.5 in ``w``'s dtype, q = clamp(round(w / scale), -8, 7) with the
+    division in ``w``'s dtype (as the quantizer divides a bf16 checkpoint), w' = q x scale. The
+    W4A16 arithmetic written here independently of compressed-tensors and transformers, for a
+    reference the hf backend's dequantized weights are checked against."""
+    groups = w.reshape(*w.shape[:-1], -1, group_size)
+    scale = (groups.float().abs().amax(-1, keepdim=True) / 7.5).to(w.dtype).clamp(min=torch.finfo(w.dtype).tiny)
+    q = (groups / scale).float().round().clamp(-8, 7)
+    return (q * scale.float()).reshape(w.shape)

@@ -266,3 +266,51 @@ def test_a_compressed_tensors_target_is_extracted_from_its_dequantized_weights(t
         rms = ref[:, k].pow(2).mean().sqrt()
         assert (got[:, k] - ref[:, k]).pow(2).mean().sqrt() / rms < 0.01  # bf16 compute of the same weights
         assert (unquantized[:, k] - ref[:, k]).pow(2).mean().sqrt() / rms > 0.03  # 4-bit weights do change the states
+
+
+def test_a_w4a16_mixture_of_experts_is_extracted_from_its_dequantized_experts(tmp_path):
+    """Kimi-K2.5's form, small: a Qwen3-MoE whose attention and every expert's projections are
+    compressed-tensors W4A16 (group 32, one packed tensor per expert). transformers 5 holds the
+    experts fused in 3-D parameters; the hf backend must still load each expert's dequantized
+    weights into them. The reference quantizes the bf16 source independently
+    (quant_support.fake_quantized_int4) and runs in float32."""
+    import re
+
+    import transformers
+    from quant_support import MOE_W4A16_WEIGHTS, fake_quantized_int4, quantize_moe_w4a16
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=128, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    target = quantize_moe_w4a16(tmp_path / "bf16", tmp_path / "w4a16")
+    from safetensors import safe_open
+
+    with safe_open(target / "model.safetensors", "pt") as f:
+        packed = [k for k in f.keys() if k.endswith(".weight_packed")]  # noqa: SIM118 (safe_open has no __iter__)
+    assert len(packed) == 4 * (4 + 4 * 3)  # per layer: q, k, v, o and 4 experts x (gate, up, down)
+    # the reference: the bf16 source in float32, every quantized projection through the W4A16 arithmetic
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
+    fused = re.compile(r".*(self_attn\.[qkvo]_proj\.weight|mlp\.experts\.(gate_up_proj|down_proj))$")
+    with torch.no_grad():
+        for name, p in ref_model.named_parameters():
+            if fused.match(name):
+                p.copy_(fake_quantized_int4(p.data).to(p.dtype))
+    ref_model = ref_model.float().eval()
+    assert re.match(MOE_W4A16_WEIGHTS, "model.layers.0.mlp.experts.3.down_proj.weight")
+    gen = torch.Generator().manual_seed(1)
+    samples = [Sample(f"s{i}", torch.randint(0, 256, (n,), generator=gen).numpy(), loss_mask(4, n - 4)) for i, n in enumerate([9, 23, 16])]
+    layer_ids = [1, 2, 4]
+
+    def states(model):
+        return torch.cat(extract_hf(model, samples, layer_ids, batch_tokens=4096, storage_dtype=torch.float32))
+
+    got, ref = states(load_hf_target(str(target), "cpu")), states(ref_model)
+    unquantized = states(load_hf_target(str(tmp_path / "bf16"), "cpu").float())
+    for k in range(len(layer_ids)):
+        rms = ref[:, k].pow(2).mean().sqrt()
+        assert (got[:, k] - ref[:, k]).pow(2).mean().sqrt() / rms < 0.01  # bf16 compute of the same weights
+        assert (unquantized[:, k] - ref[:, k]).pow(2).mean().sqrt() / rms > 0.03  # 4-bit experts do change the states
