@@ -2,7 +2,7 @@
 # Python helpers, which rules call by name. Their logic is the library's (eagle3_pipeline.config,
 # .layout, .sweep, .lineage, .snakemake_adapter, .target_model).
 import sys
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(workflow.basedir) / "workflow_scripts"))
@@ -91,14 +91,6 @@ def get_init_drafter_identity(cfg=None):
         )
 
 
-def get_prompt_shard(wildcards):
-    return layout.prompt_shard(wildcards.shard)
-
-
-def get_trace_shard(wildcards):
-    return layout.traces(wildcards.shard)
-
-
 def get_variant_vocab(wildcards):
     """A variant's d2t and t2d (training's inputs): the run's unless its vocab settings differ."""
     v = wildcards.variant
@@ -130,6 +122,12 @@ def get_final_outputs():
 
 def get_lineage_jobs(wildcards=None):
     """Every job that makes the run's outputs (but the manifest), read from the rules' declared files."""
+    return _lineage_jobs()
+
+
+@cache
+def _lineage_jobs():
+    # walked once per workflow: rule write_manifest asks twice (its input and its params)
     finals = [f for f in get_final_outputs() if f != layout.manifest()]
     wildcard_values = {"shard": SHARDS, "variant": list(VARIANTS)}
     sources = partial(external_sources, config)

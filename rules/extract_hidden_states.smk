@@ -1,6 +1,6 @@
 rule extract_hidden_states:
     input:
-        traces=get_trace_shard,
+        traces=rules.generate_traces.output.traces,
         target=get_target_dir(),
     output:
         shard=layout.hidden_states("{shard}"),

@@ -1,6 +1,6 @@
 rule generate_traces:
     input:
-        prompts=get_prompt_shard,
+        prompts=layout.prompt_shard("{shard}"),
         target=get_target_dir(),
     output:
         traces=layout.traces("{shard}"),
