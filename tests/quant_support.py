@@ -104,10 +104,9 @@ def quantize_fp8_blocks(src: Path, dest: Path, block: int = 128) -> Path:
     but the embeddings and ``lm_head`` as ``float8_e4m3fn`` with one float32 ``weight_scale_inv``
     (max|w| / 448, the multiplier that restores the weight) per ``block`` x ``block`` tile, and
     activations quantized dynamically by the engine. Other files are copied."""
-    import json
     import shutil
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     shutil.copytree(src, dest)
     out = {}
@@ -120,16 +119,16 @@ def quantize_fp8_blocks(src: Path, dest: Path, block: int = 128) -> Path:
             out[key + "_scale_inv"] = scale.contiguous()
         else:
             out[key] = w
-    save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((dest / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [block, block],
-    }
-    (dest / "config.json").write_text(json.dumps(config, indent=2))
-    return dest
+    return _write_quantized(
+        dest,
+        out,
+        {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [block, block],
+        },
+    )
 
 
 #: The attention and expert projections a W4A16 mixture of experts quantizes (Kimi-K2.5's routed
@@ -146,14 +145,13 @@ def quantize_moe_w4a16(src: Path, dest: Path, group_size: int = 32) -> Path:
     tensor with compressed-tensors' compressor, because its model-level API targets ``Linear``
     modules and transformers 5 holds a layer's experts as one fused 3-D parameter. The router
     (``mlp.gate``) and ``lm_head`` are ignored, as in quantized releases; other files are copied."""
-    import json
     import re
     import shutil
 
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from compressed_tensors.quantization.utils import calculate_qparams
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     shutil.copytree(src, dest, ignore=shutil.ignore_patterns("model.safetensors"))
     weights = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size)
@@ -169,19 +167,19 @@ def quantize_moe_w4a16(src: Path, dest: Path, group_size: int = 32) -> Path:
             {"weight": w, "weight_scale": scale.to(w.dtype), "weight_zero_point": zero_point}, scheme
         )
         out.update({key.removesuffix("weight") + name: t.contiguous() for name, t in packed.items()})
-    save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((dest / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "compressed-tensors",
-        "format": "pack-quantized",
-        "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {"targets": ["Linear"], "format": "pack-quantized", "weights": weights.model_dump(), "input_activations": None}
+    return _write_quantized(
+        dest,
+        out,
+        {
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {"targets": ["Linear"], "format": "pack-quantized", "weights": weights.model_dump(), "input_activations": None}
+            },
+            "ignore": ["lm_head", "re:.*mlp.gate$"],
         },
-        "ignore": ["lm_head", "re:.*mlp.gate$"],
-    }
-    (dest / "config.json").write_text(json.dumps(config, indent=2))
-    return dest
+    )
 
 
 def fake_quantized_int4(w: torch.Tensor, group_size: int = 32) -> torch.Tensor:
@@ -194,3 +192,17 @@ def fake_quantized_int4(w: torch.Tensor, group_size: int = 32) -> torch.Tensor:
     scale = (groups.float().abs().amax(-1, keepdim=True) / 7.5).to(w.dtype).clamp(min=torch.finfo(w.dtype).tiny)
     q = (groups / scale).float().round().clamp(-8, 7)
     return (q * scale.float()).reshape(w.shape)
+
+
+def _write_quantized(dest: Path, tensors: dict, quantization_config: dict) -> Path:
+    """``tensors`` as ``dest``'s model.safetensors, and ``quantization_config`` added to the
+    config.json already in ``dest``: the last step of each hand-written quantized checkpoint."""
+    import json
+
+    from safetensors.torch import save_file
+
+    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from .io import atomic_path, write_text_atomic
+from .io import InputError, atomic_path, write_text_atomic
 from .layout import pids_of
 
 logger = logging.getLogger(__name__)
@@ -331,8 +331,6 @@ def extraction_max_model_len(target: str, max_seq_len: int, trust_remote_code: b
             refuses it too).
     """
     from vllm.config import ModelConfig
-
-    from .io import InputError
 
     context = ModelConfig(model=target, trust_remote_code=trust_remote_code).max_model_len
     if max_seq_len > context:
