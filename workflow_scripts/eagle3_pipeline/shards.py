@@ -23,11 +23,14 @@ ids, offsets, layer ids and the file's SHA-256. Equal content gives equal bytes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import os
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,7 +168,11 @@ class ShardWriter:
     = 655 GB), and writing chunk files that are merged at the end copies every byte twice
     and needs twice the disk. The header is the one safetensors writes for these tensors
     (sorted keys, padded with spaces to 8 bytes); the data are stored in the order
-    ``input_ids, offsets, hidden_states_scale, hidden_states, loss_mask`` (by alignment).
+    ``input_ids, offsets, hidden_states, hidden_states_scale, loss_mask``: the small tensors
+    that are final at :meth:`create` first, then those filled row by row, so that a file's
+    final bytes are a prefix of it while chunks finish in order (:class:`ShardHasher`). An fp8
+    shard whose states take a byte count that is not a multiple of 4 stores its float32 scales
+    before the states instead, to keep them 4-byte aligned.
     """
 
     def __init__(self, path: str | os.PathLike, fd: int, header: dict, data_start: int, header_bytes: bytes):
@@ -218,8 +225,12 @@ class ShardWriter:
                 )
             }
         }
+        filled = ["hidden_states", "hidden_states_scale"]
+        if storage_dtype == FP8 and (n * n_layers * hidden_size) % 4:
+            filled.reverse()  # the float32 scales first, at an 8-byte aligned offset
+        order = ["input_ids", "offsets", *filled, "loss_mask"]
         pos = 0
-        for name in ("input_ids", "offsets", "hidden_states_scale", "hidden_states", "loss_mask"):
+        for name in order:
             if name in shapes:
                 dtype, shape = shapes[name]
                 size = int(np.prod(shape)) * dtype.itemsize
@@ -335,6 +346,134 @@ def read_shard_header(path: str | os.PathLike) -> tuple[bytes, dict]:
     return n.to_bytes(8, "little") + prefix, header
 
 
+class ShardHasher:
+    """The SHA-256 of a shard that is being filled in place, taken while it is filled.
+
+    SHA-256 takes a file's bytes in order, so the hasher follows the shard's final prefix:
+    the length, header, ``input_ids`` and ``offsets`` are final once :meth:`ShardWriter.create`
+    wrote them; the rows of ``hidden_states`` (and of an fp8 shard's ``hidden_states_scale``)
+    are final once the chunk that holds them is done (its done marker is written after its
+    rows, :func:`mark_chunk_done`); ``loss_mask``, last, is final from the start. With
+    :meth:`following`, a thread hashes up to the end of the first chunk not yet done, as the
+    extraction's replicas and engines fill the file; :meth:`hexdigest` hashes what is left
+    once every chunk is done. Extraction's chunks finish roughly in order, so the shard's
+    bytes are read back (from the page cache, just written) and hashed while the target
+    prefills, and the job does not read the whole shard a second time at its end.
+
+    Args:
+        path: the shard, created by :meth:`ShardWriter.create`.
+        chunk_rows: ``(first, end)`` token rows of each chunk, in order, contiguous from row 0
+            to the shard's token count.
+        buffer_bytes: bytes read and hashed at a time.
+
+    Raises:
+        ValueError: ``path`` is not a hidden-state shard, or the chunks do not cover its rows.
+    """
+
+    def __init__(self, path: str | os.PathLike, chunk_rows: Sequence[tuple[int, int]], buffer_bytes: int = 8 << 20):
+        import hashlib
+
+        prefix, header = read_shard_header(path)
+        self.path = Path(path)
+        self.size = os.path.getsize(path)
+        self.num_tokens = header["hidden_states"]["shape"][0]
+        ends = [int(b) for _, b in chunk_rows]
+        if [int(a) for a, _ in chunk_rows] != [0, *ends[:-1]] or (ends[-1] if ends else 0) != self.num_tokens:
+            raise ValueError(f"{path}: chunk rows {list(chunk_rows)[:3]}... do not cover its {self.num_tokens} rows in order")
+        self._chunk_ends = ends
+        # (start byte, row bytes or 0 for a tensor that is final from the start), in file order
+        tensors = sorted((e["data_offsets"], name) for name, e in header.items() if name != "__metadata__")
+        self._regions = [
+            (len(prefix) + a, (b - a) // max(self.num_tokens, 1) if name in ("hidden_states", "hidden_states_scale") else 0)
+            for (a, b), name in tensors
+        ]
+        self._sha = hashlib.sha256()
+        self._buf = memoryview(bytearray(buffer_bytes))
+        self._file = open(self.path, "rb", buffering=0)  # noqa: SIM115 -- closed by hexdigest, or when following ends
+        self.hashed = 0
+        self.tail_seconds = 0.0
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+
+    def final_bytes(self, done: Iterable[int]) -> int:
+        """How many of the file's first bytes are final when the chunks ``done`` are."""
+        done, rows = set(done), 0
+        for k, end in enumerate(self._chunk_ends):
+            if k not in done:
+                break
+            rows = end
+        for start, row_bytes in self._regions:
+            if row_bytes and rows < self.num_tokens:
+                return start + rows * row_bytes
+        return self.size
+
+    def update(self, upto: int) -> None:
+        """Hash the file's bytes up to ``upto`` (bytes already hashed are not read again).
+
+        Raises:
+            OSError: the file ends before ``upto`` (it was truncated or replaced).
+        """
+        while self.hashed < upto:
+            self._file.seek(self.hashed)
+            n = self._file.readinto(self._buf[: min(len(self._buf), upto - self.hashed)])
+            if not n:
+                raise OSError(f"{self.path}: ends at byte {self.hashed}, before the {upto} bytes to hash")
+            self._sha.update(self._buf[:n])
+            self.hashed += n
+
+    @contextlib.contextmanager
+    def following(self, done: Callable[[], Iterable[int]], poll_s: float = 0.25) -> Iterator[ShardHasher]:
+        """Hash the final prefix in a background thread while the block runs.
+
+        Args:
+            done: returns the indices of the chunks done so far (e.g. ``ChunkStore.finished``).
+            poll_s: seconds between two looks at ``done``.
+
+        Yields:
+            this hasher; call :meth:`hexdigest` in the block once every chunk is done.
+        """
+
+        def follow() -> None:
+            try:
+                while not self._stop.wait(poll_s):
+                    self.update(self.final_bytes(done()))
+            except BaseException as e:  # noqa: BLE001 -- handed to hexdigest
+                self._error = e
+
+        thread = threading.Thread(target=follow, name="shard-hasher", daemon=True)
+        thread.start()
+        self._thread = thread
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            thread.join()
+            self._file.close()
+
+    def hexdigest(self) -> str:
+        """The shard's SHA-256 (hex), once every chunk is done: stops following, hashes the rest.
+
+        Equals :func:`eagle3_pipeline.io.sha256_file` of the finished shard.
+
+        Raises:
+            OSError: the follower failed to read the file, or it no longer has the size it was
+                created with.
+        """
+        t0 = time.perf_counter()
+        self._stop.set()
+        thread = getattr(self, "_thread", None)
+        if thread is not None:
+            thread.join()
+        if self._error is not None:
+            raise OSError(f"{self.path}: hashing while it was filled failed: {self._error}") from self._error
+        if os.path.getsize(self.path) != self.size:
+            raise OSError(f"{self.path}: {os.path.getsize(self.path)} bytes, not the {self.size} it was created with")
+        self.update(self.size)
+        self._file.close()
+        self.tail_seconds = time.perf_counter() - t0
+        return self._sha.hexdigest()
+
+
 def _pwrite_all(fd: int, data, offset: int) -> None:
     """``os.pwrite`` until every byte of ``data`` is written (a write may be partial)."""
     view = memoryview(data).cast("B")
@@ -420,10 +559,13 @@ def shard_index(
     aux_layer_ids: Sequence[int],
     index_path: str | os.PathLike | None,
     checksum: bool = True,
+    sha256: str | None = None,
 ) -> dict:
     """The index of a complete shard (sample ids, offsets, counts, size, SHA-256), written to ``index_path``.
 
-    Hidden size and dtype are read from the file's header.
+    Hidden size and dtype are read from the file's header. ``sha256``: the file's SHA-256 when
+    the caller took it while writing (:class:`ShardHasher`); otherwise (with ``checksum``) the file
+    is read to hash it.
     """
     hs = read_shard_header(path)[1]["hidden_states"]
     hidden_size = hs["shape"][-1]
@@ -441,7 +583,7 @@ def shard_index(
         "hidden_size": int(hidden_size),
         "dtype": str(dtype).removeprefix("torch."),
         "bytes": os.path.getsize(path),
-        INDEX_HASH_KEYS[0]: sha256_file(path) if checksum else None,
+        INDEX_HASH_KEYS[0]: (sha256 or sha256_file(path)) if checksum else None,
         # the shard as hashed: a reader trusts the hash while size, mtime and inode are these (io.checked_sha256)
         INDEX_HASH_KEYS[1]: file_stat(path) if checksum else None,
         "samples": [{"id": s.id, "offset": o, "length": n} for s, o, n in zip(samples, offsets[:-1], lengths, strict=True)],
