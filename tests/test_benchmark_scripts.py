@@ -260,3 +260,32 @@ def test_an_h200_driver_stops_before_its_first_phase_without_a_gpu(tmp_path, dri
     assert r.returncode == 2, r.stderr
     assert "no CUDA GPU visible to torch" in r.stderr
     assert list((tmp_path / "out").iterdir()) == []  # no phase ran, no record started
+
+
+def test_the_hashing_benchmark_runs_as_documented_and_its_two_ways_agree(tmp_path):
+    """benchmarks/hash_while_writing.py at a small size: both phases ran, the digest taken while
+    filling equals ``sha256_file``'s after, and the shard is the size asked for."""
+    out = tmp_path / "h.json"
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks/hash_while_writing.py"),
+            "--gib",
+            "0.125",
+            "--rounds",
+            "1",
+            "--out",
+            str(out),
+            "--work",
+            str(tmp_path / "w"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["failed"] == [] and doc["summary"]["digests_equal"] is True
+    assert set(doc["phases"]) == {"after_0", "while_0"}
+    assert abs(doc["summary"]["bytes"] - 0.125 * 2**30) <= 1000 * 4 * 4096 * 2  # within one sample: 1,000 tokens x 4 layers x 4,096 x bf16
+    assert not (tmp_path / "w").exists()

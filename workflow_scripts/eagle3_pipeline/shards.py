@@ -407,13 +407,13 @@ class ShardHasher:
                 return start + rows * row_bytes
         return self.size
 
-    def update(self, upto: int) -> None:
-        """Hash the file's bytes up to ``upto`` (bytes already hashed are not read again).
+    def update(self, upto: int, stop: threading.Event | None = None) -> None:
+        """Hash the file's bytes up to ``upto`` (bytes already hashed are not read again), or until ``stop`` is set.
 
         Raises:
             OSError: the file ends before ``upto`` (it was truncated or replaced).
         """
-        while self.hashed < upto:
+        while self.hashed < upto and not (stop is not None and stop.is_set()):
             self._file.seek(self.hashed)
             n = self._file.readinto(self._buf[: min(len(self._buf), upto - self.hashed)])
             if not n:
@@ -435,8 +435,12 @@ class ShardHasher:
 
         def follow() -> None:
             try:
-                while not self._stop.wait(poll_s):
-                    self.update(self.final_bytes(done()))
+                while not self._stop.is_set():
+                    upto = self.final_bytes(done())
+                    if upto > self.hashed:
+                        self.update(upto, self._stop)  # no wait while behind: the tail is then the last chunk alone
+                    else:
+                        self._stop.wait(poll_s)
             except BaseException as e:  # noqa: BLE001 -- handed to hexdigest
                 self._error = e
 
