@@ -67,7 +67,9 @@ def run_extraction_shard(
     are extracted in chunks of ``cfg["chunk_samples"]``; a chunk gets a done marker once
     its states are written (:mod:`eagle3_pipeline.resume`), so a killed job's rerun
     extracts only the rest, and the finished shard, renamed into place when every chunk
-    is done, equals an uninterrupted run's. The job's lifecycle (host-wide lock, a shard another
+    is done, equals an uninterrupted run's. Its SHA-256, recorded in the index, is taken while
+    the replicas fill it (:class:`eagle3_pipeline.shards.ShardHasher`), not by reading the
+    shard back after the last chunk (``hash_tail_seconds``: what was left to hash then). The job's lifecycle (host-wide lock, a shard another
     job finished, stale engines, replicas) is :func:`eagle3_pipeline.shard_job.run_shard_job`'s. With
     ``cfg["data_parallel_size"] = D > 1``, D model replicas, each on
     ``cfg["gpus_per_replica"]`` GPUs, share the chunks (:mod:`eagle3_pipeline.parallel`);
