@@ -187,8 +187,65 @@ def test_the_shard_hasher_names_chunks_that_do_not_cover_the_rows_and_a_file_cut
         ShardHasher(path, [(0, 4), (5, 8)])
     hasher = ShardHasher(path, [(0, 4), (4, 8)])
     os.truncate(path, 100)
-    with pytest.raises(OSError, match=r"shard.safetensors: 100 bytes, not the \d+ it was created with"):
+    with pytest.raises(OSError, match=r"shard.safetensors: 100 bytes, not the \d+ its header gives"):
         hasher.hexdigest()
+    ShardWriter.create(path, samples, layer_ids=[1, 3], aux_layer_ids=[1], hidden_size=8, storage_dtype=torch.bfloat16).close()
+    size = path.stat().st_size
+    os.truncate(path, size - 10)  # its header intact
+    with pytest.raises(ValueError, match=f"shard.safetensors: {size - 10} bytes, not the {size} its header gives"):
+        ShardHasher(path, [(0, 4), (4, 8)])
+
+
+def test_a_shard_of_no_samples_is_hashed_as_written(tmp_path):
+    """A trace shard whose answers were all rejected gives a shard of no samples and no chunks."""
+    import hashlib
+
+    from eagle3_pipeline.shards import ShardHasher, ShardWriter
+
+    path = tmp_path / "empty.safetensors"
+    ShardWriter.create(path, [], layer_ids=[1, 3], aux_layer_ids=[1], hidden_size=8, storage_dtype=torch.bfloat16).close()
+    with ShardHasher(path, []).following(list) as hasher:
+        assert hasher.hexdigest() == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_trace_shard_with_no_answers_gives_an_empty_hidden_state_shard(tmp_path, target_dir):
+    """Generation can reject every answer of a shard; extraction then writes a shard of no samples
+    (no engine starts) with its index and the SHA-256 of its bytes."""
+    import hashlib
+
+    from eagle3_pipeline.config import validate_config
+    from eagle3_pipeline.hidden_states import run_extraction_shard
+
+    (tmp_path / "traces.jsonl").write_text("")
+    cfg = validate_config({"extraction": {"chunk_samples": 2}})["extraction"] | {"data_parallel_size": 1, "gpus_per_replica": 1}
+    out = tmp_path / "shard-00000.safetensors"
+    index = run_extraction_shard(
+        str(tmp_path / "traces.jsonl"), str(out), str(tmp_path / "shard-00000.index.json"), str(target_dir), cfg,
+        max_seq_len=2048, trust_remote_code=False, host_lock_enabled=False,
+    )  # fmt: skip
+    assert (index["num_samples"], index["num_tokens"], index["chunks"]) == (0, 0, 0)
+    assert index["sha256"] == hashlib.sha256(out.read_bytes()).hexdigest()
+    assert len(ShardReader(out)) == 0
+
+
+def test_a_kept_partial_shard_cut_short_is_made_again_and_its_done_chunks_dropped(tmp_path, caplog):
+    """A partial shard kept from a killed job whose file lost its end (its header intact) would
+    resume with rows of done chunks missing; it is discarded like one of another layout."""
+    from eagle3_pipeline.resume import ChunkStore
+    from eagle3_pipeline.shards import DONE_SUFFIX, prepare_partial_shard
+
+    samples = [Sample(f"s{i}", np.arange(4, dtype=np.int64), np.array([0, 1, 1, 1], bool)) for i in range(2)]
+    layout = {"layer_ids": [1, 3], "aux_layer_ids": [1], "hidden_size": 8, "storage_dtype": torch.bfloat16}
+    store = ChunkStore(tmp_path / "shard-00000.safetensors", "fp", DONE_SUFFIX)
+    path = prepare_partial_shard(store, samples, **layout)
+    size = path.stat().st_size
+    store.path(0).write_text("{}")
+    assert prepare_partial_shard(store, samples, **layout) == path and store.finished() == [0]  # kept as it is
+    os.truncate(path, size - 10)
+    with caplog.at_level("WARNING"):
+        assert prepare_partial_shard(store, samples, **layout) == path
+    assert path.stat().st_size == size and store.finished() == []
+    assert "discarding 1 done chunk(s)" in caplog.text
 
 
 def test_sample_from_trace_limits():

@@ -240,6 +240,12 @@ class ShardWriter:
         text += b" " * (-len(text) % 8)
         return len(text).to_bytes(8, "little") + text, small
 
+    @staticmethod
+    def file_bytes(prefix: bytes) -> int:
+        """The size of the shard whose first bytes (length + header, :meth:`layout`) are ``prefix``."""
+        header = json.loads(prefix[8:])
+        return len(prefix) + max((e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"), default=0)
+
     @classmethod
     def create(
         cls,
@@ -258,8 +264,7 @@ class ShardWriter:
         header = json.loads(prefix[8:])
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
         try:
-            total = len(prefix) + max(e["data_offsets"][1] for k, e in header.items() if k != "__metadata__")
-            os.ftruncate(fd, total)
+            os.ftruncate(fd, cls.file_bytes(prefix))
             _pwrite_all(fd, prefix, 0)
             for name, t in small.items():
                 _pwrite_all(fd, t.numpy().tobytes(), len(prefix) + header[name]["data_offsets"][0])
@@ -367,7 +372,8 @@ class ShardHasher:
         buffer_bytes: bytes read and hashed at a time.
 
     Raises:
-        ValueError: ``path`` is not a hidden-state shard, or the chunks do not cover its rows.
+        ValueError: ``path`` is not a hidden-state shard, has another size than its header gives,
+            or the chunks do not cover its rows.
     """
 
     def __init__(self, path: str | os.PathLike, chunk_rows: Sequence[tuple[int, int]], buffer_bytes: int = 8 << 20):
@@ -375,10 +381,12 @@ class ShardHasher:
 
         prefix, header = read_shard_header(path)
         self.path = Path(path)
-        self.size = os.path.getsize(path)
+        self.size = ShardWriter.file_bytes(prefix)
+        if os.path.getsize(path) != self.size:
+            raise ValueError(f"{path}: {os.path.getsize(path)} bytes, not the {self.size} its header gives")
         self.num_tokens = header["hidden_states"]["shape"][0]
         ends = [int(b) for _, b in chunk_rows]
-        if [int(a) for a, _ in chunk_rows] != [0, *ends[:-1]] or (ends[-1] if ends else 0) != self.num_tokens:
+        if [int(a) for a, _ in chunk_rows] != [0, *ends][: len(ends)] or (ends[-1] if ends else 0) != self.num_tokens:
             raise ValueError(f"{path}: chunk rows {list(chunk_rows)[:3]}... do not cover its {self.num_tokens} rows in order")
         self._chunk_ends = ends
         # (start byte, row bytes or 0 for a tensor that is final from the start), in file order
@@ -460,8 +468,8 @@ class ShardHasher:
         Equals :func:`eagle3_pipeline.io.sha256_file` of the finished shard.
 
         Raises:
-            OSError: the follower failed to read the file, or it no longer has the size it was
-                created with.
+            OSError: the follower failed to read the file, or the file no longer has the size its
+                header gives.
         """
         t0 = time.perf_counter()
         self._stop.set()
@@ -471,7 +479,7 @@ class ShardHasher:
         if self._error is not None:
             raise OSError(f"{self.path}: hashing while it was filled failed: {self._error}") from self._error
         if os.path.getsize(self.path) != self.size:
-            raise OSError(f"{self.path}: {os.path.getsize(self.path)} bytes, not the {self.size} it was created with")
+            raise OSError(f"{self.path}: {os.path.getsize(self.path)} bytes, not the {self.size} its header gives")
         self.update(self.size)
         self._file.close()
         self.tail_seconds = time.perf_counter() - t0
@@ -690,15 +698,16 @@ def prepare_partial_shard(store, samples: Sequence[Sample], **layout) -> Path:
     """The job's preallocated shard in its chunk store, created unless a matching one is there.
 
     A shard kept from a killed run is reused when its header equals the one ``samples``
-    and ``layout`` (:meth:`ShardWriter.layout` arguments) give, with its done chunks;
-    otherwise it is created afresh (atomically) and any done markers are dropped.
+    and ``layout`` (:meth:`ShardWriter.layout` arguments) give and it has the size that header
+    gives (a file cut short lost rows of done chunks), with its done chunks; otherwise it is
+    created afresh (atomically) and any done markers are dropped.
 
     Returns:
         the path of the partial shard (``<chunk store>/shard.safetensors``).
     """
     path = store.dir / "shard.safetensors"
     prefix, _ = ShardWriter.layout(samples, **layout)
-    if path.is_file():
+    if path.is_file() and path.stat().st_size == ShardWriter.file_bytes(prefix):
         with open(path, "rb") as f:
             if f.read(len(prefix)) == prefix:
                 return path
