@@ -322,3 +322,25 @@ def test_a_finished_job_kept_before_its_rerun_is_taken_back_and_not_when_altered
     # no record, or a record without a fingerprint: nothing to keep
     Path(job.record).unlink()
     assert not shard_job.keep_for_rerun(job.outputs, job.record)
+
+
+def test_a_jobs_recorded_ancestors_stop_at_its_snakemake(tmp_path):
+    """``nohup snakemake ... &`` from a shell that then exits: that shell's end must not make every
+    job of the run look orphaned (its store kept, a warning that its snakemake ended). The chain a
+    job records stops at the nearest snakemake process (here a stand-in named ``snakemake``, started
+    by a shell); a job function called with no snakemake above records every ancestor."""
+    code = (
+        f"import json, sys; sys.path.insert(0, {str(ROOT / 'workflow_scripts')!r}); "
+        "from eagle3_pipeline.resume import ancestors; print(json.dumps(ancestors()))"
+    )
+    fake = tmp_path / "bin" / "snakemake"
+    fake.parent.mkdir()
+    fake.write_text(
+        f"#!{sys.executable}\nimport os, subprocess, sys\nprint(os.getpid(), flush=True)\nsubprocess.run([sys.executable, '-c', {code!r}], check=True)\n"
+    )
+    fake.chmod(0o755)
+    out = subprocess.run(["bash", "-c", f"{fake}; true"], capture_output=True, text=True, check=True).stdout.splitlines()
+    snakemake_pid, chain = int(out[0]), json.loads(out[1])
+    assert [pid for pid, _ in chain] == [snakemake_pid]
+    direct = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert [pid for pid, _ in direct][:2] == [os.getpid(), os.getppid()]

@@ -148,11 +148,36 @@ class ChunkStore:
 
 
 def ancestors() -> list[tuple[int, float]]:
-    """``(pid, create time)`` of this process's parent, its parent, ... (psutil): recorded when a
-    job starts, for :func:`orphaned`."""
+    """``(pid, create time)`` of this process's parent, its parent, ... up to the nearest snakemake
+    process (psutil): recorded when a job starts, for :func:`orphaned`.
+
+    The chain stops at snakemake: the processes above it (``make``, the shell that started a
+    ``nohup snakemake ... &`` and was closed, a terminal multiplexer) may end while the run goes on.
+    Without a snakemake among them (a job's function called directly) it goes up to, not
+    including, process 1.
+    """
     import psutil
 
-    return [(p.pid, p.create_time()) for p in psutil.Process().parents() if p.pid > 1]
+    chain = []
+    for p in psutil.Process().parents():
+        if p.pid <= 1:
+            break
+        chain.append((p.pid, p.create_time()))
+        if _is_snakemake(p):
+            break
+    return chain
+
+
+def _is_snakemake(process) -> bool:
+    """Whether a psutil process runs snakemake (``snakemake ...``, ``python .../snakemake ...``,
+    ``python -m snakemake ...``)."""
+    import psutil
+
+    try:
+        args = process.cmdline()[:3]
+    except (psutil.Error, OSError):
+        return False
+    return any(Path(a).name == "snakemake" for a in args)
 
 
 def orphaned(parents: Sequence[tuple[int, float]]) -> bool:
