@@ -27,6 +27,18 @@ def test_unknown_key_is_an_error_naming_it():
         validate_config({"training": {"lrr": 0.1}})
 
 
+def test_a_misspelt_key_is_named_with_the_key_it_is_closest_to():
+    with pytest.raises(ConfigError) as e:
+        validate_config({"vocab": {"draft_vocab_sise": 4096}, "traning": {}, "training": {"lrr": 1e-4, "qqqqzz": 1}})
+    lines = str(e.value).splitlines()[1:]
+    assert lines == [
+        "  <top level>: Additional properties are not allowed ('traning' was unexpected) (did you mean 'training' for 'traning'?)",
+        "  training: Additional properties are not allowed ('lrr', 'qqqqzz' were unexpected) (did you mean 'lr' for 'lrr'?)",
+        "  vocab: Additional properties are not allowed ('draft_vocab_sise' was unexpected) (did you mean 'draft_vocab_size' for "
+        "'draft_vocab_sise'?)",
+    ]
+
+
 def test_out_of_range_value_is_an_error():
     with pytest.raises(ConfigError, match="vocab.draft_vocab_size"):
         validate_config({"vocab": {"draft_vocab_size": 0}})

@@ -235,6 +235,21 @@ def runtime_settings(cfg: dict, section: str) -> dict:
     return {k: v for k, v in cfg[section].items() if k in runtime_keys(section)}
 
 
+def _did_you_mean(error: jsonschema.ValidationError) -> str:
+    """For an unknown key, the known key of that section it is closest to (a typo), if any."""
+    import difflib
+
+    if error.validator != "additionalProperties" or not isinstance(error.instance, dict):
+        return ""
+    known = list(error.schema.get("properties", {}))
+    hints = [
+        f"{close[0]!r} for {key!r}"
+        for key in error.instance
+        if key not in known and (close := difflib.get_close_matches(str(key), known, n=1, cutoff=0.6))
+    ]
+    return f" (did you mean {', '.join(hints)}?)" if hints else ""
+
+
 def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) -> dict:
     """Return a copy of ``config`` with defaults filled in, after validating it.
 
@@ -242,7 +257,8 @@ def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) 
 
     Raises:
         ConfigError: listing each violation as ``<key path>: <message>``, e.g.
-            ``training.lrr: Additional properties are not allowed ('lrr' was unexpected)``,
+            ``training.lrr: Additional properties are not allowed ('lrr' was unexpected) (did you
+            mean 'lr' for 'lrr'?)``,
             or ``vllm.replicas_per_gpu`` > 1 with a multi-GPU engine, or
             ``generation.answers_per_prompt`` > 1 with greedy decoding (temperature 0).
 
@@ -257,7 +273,7 @@ def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) 
         lines = []
         for e in errors:
             where = ".".join(str(p) for p in e.absolute_path) or "<top level>"
-            lines.append(f"  {where}: {e.message}")
+            lines.append(f"  {where}: {e.message}{_did_you_mean(e)}")
         raise ConfigError("invalid configuration (see config/schema.yaml):\n" + "\n".join(lines))
     # measured in ascending order whatever the order given: an order is not a setting of its own
     # (a sweep variant that only reorders them changes nothing)
