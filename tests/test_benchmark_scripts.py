@@ -262,6 +262,7 @@ def test_an_h200_driver_stops_before_its_first_phase_without_a_gpu(tmp_path, dri
     assert list((tmp_path / "out").iterdir()) == []  # no phase ran, no record started
 
 
+@pytest.mark.processes
 def test_the_hashing_benchmark_runs_as_documented_and_its_two_ways_agree(tmp_path):
     """benchmarks/hash_while_writing.py at a small size: both phases ran, the digest taken while
     filling equals ``sha256_file``'s after, and the shard is the size asked for."""
