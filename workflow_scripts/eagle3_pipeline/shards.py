@@ -401,6 +401,7 @@ class ShardHasher:
         self.hashed = 0
         self.tail_seconds = 0.0
         self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
     def final_bytes(self, done: Iterable[int]) -> int:
@@ -452,14 +453,13 @@ class ShardHasher:
             except BaseException as e:  # noqa: BLE001 -- handed to hexdigest
                 self._error = e
 
-        thread = threading.Thread(target=follow, name="shard-hasher", daemon=True)
-        thread.start()
-        self._thread = thread
+        self._thread = threading.Thread(target=follow, name="shard-hasher", daemon=True)
+        self._thread.start()
         try:
             yield self
         finally:
             self._stop.set()
-            thread.join()
+            self._thread.join()
             self._file.close()
 
     def hexdigest(self) -> str:
@@ -473,9 +473,8 @@ class ShardHasher:
         """
         t0 = time.perf_counter()
         self._stop.set()
-        thread = getattr(self, "_thread", None)
-        if thread is not None:
-            thread.join()
+        if self._thread is not None:
+            self._thread.join()
         if self._error is not None:
             raise OSError(f"{self.path}: hashing while it was filled failed: {self._error}") from self._error
         if os.path.getsize(self.path) != self.size:
