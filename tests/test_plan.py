@@ -57,12 +57,22 @@ def test_fresh_run_is_planned_from_the_reference_figures(tmp_path):
     assert gen.source.startswith("reference (this project's demo run on 2 CPU cores")
     # the embedded target on CPU is the reference itself: no "x 1", no parallelism caveat
     assert all(p.source == f"reference ({ref['source']})" for s, p in plan.items() if s != "evaluate_drafter")
-    # the default speedup measurement (1, 16 and 64 in flight) has no decoding figures on this platform: said, not guessed
+    # the default speedup measurement (1, 16 and 64 in flight, every prompt) from the demo's, made at 8
+    # in flight only: the nearest figure for each, said in the source
     ev = plan["evaluate_drafter"]
-    assert ev.source.startswith(f"reference ({ref['source']}); speedup measurement 0 s: no decoding figures")
+    speed = ref["evaluate_drafter_speedup"]
+    assert (speed["with_drafter"], speed["without_drafter"]) == ({"8": 146.16}, {"8": 190.1})
+    decode = 3 * (ev.tokens / 146.16 + ev.tokens / 190.1)  # per concurrency, 80 prompts x max_tokens per side
+    assert ev.work["speedup_seconds"] == pytest.approx(speed["load_seconds"] + decode, abs=0.1)
+    assert ev.source.startswith(f"reference ({ref['source']}); speedup measurement ")
+    assert "[1, 16, 64] in flight taken from the nearest measured concurrency" in ev.source
     assert ev.seconds == pytest.approx(
-        ref["evaluate_drafter"]["load_seconds"] + ev.tokens / ref["evaluate_drafter"]["tokens_per_second"], abs=0.1
+        ref["evaluate_drafter"]["load_seconds"] + ev.tokens / ref["evaluate_drafter"]["tokens_per_second"] + ev.work["speedup_seconds"],
+        abs=0.1,
     )
+    # a platform reference without decoding figures (the 8B-shaped H200 one): said, not guessed
+    ev8b = _by_stage(make_plan(cfg, {"params": 8_030_261_248, "num_hidden_layers": 32, "hidden_size": 4096}, tmp_path, "cuda"))
+    assert "speedup measurement 0 s: no decoding figures for this platform" in ev8b["evaluate_drafter"].source
     ext = plan["extract_hidden_states"]
     assert ext.tokens == int(300 * (PROMPT_TOKENS + COMPLETION_FILL * 256))
     # tokens x 4 captured layers ([2, 15, 27] + 30) x hidden 576 x 2 bytes (bf16)
@@ -185,7 +195,7 @@ def test_vllm_extraction_on_cpu_has_its_own_reference_and_the_caveat_only_where_
     assert (ext.load_seconds, ext.tokens_per_second) == (18.0, 2449.0)
     assert ext.source == f"reference ({ref['source']})"
     hf = validate_config({"prompts": {"max_prompts": 10}})
-    assert _by_stage(make_plan(hf, BUILTIN_SHAPE, tmp_path, "cpu"))["extract_hidden_states"].load_seconds == 3.0
+    assert _by_stage(make_plan(hf, BUILTIN_SHAPE, tmp_path, "cpu"))["extract_hidden_states"].load_seconds == 4.0
     # tensor parallel on CPU, and any GPU plan, carry the caveat; a smaller target its scale
     tp = validate_config({"prompts": {"max_prompts": 10}, "vllm": {"tensor_parallel_size": 2}})
     assert all(
@@ -503,7 +513,7 @@ def test_reference_figures_are_data_with_a_source_and_command_each():
                 # each figure says where and how it was measured: its own source/command or its reference's
                 assert fig.get("source", ref["source"]) and fig.get("command", ref["command"]), (platform, name)
     # the figures the estimates were built on (they were code before they were data)
-    assert refs["cpu"][0]["generate_traces"] == {"tokens_per_second": 409.0, "load_seconds": 31.0}
+    assert refs["cpu"][0]["generate_traces"] == {"tokens_per_second": 634.0, "load_seconds": 25.6}
     assert refs["cpu_fp32"][0]["train_drafter"] == {"tokens_per_second": 41.0, "load_seconds": 5.0}
     assert [r["params"] for r in refs["cuda"]] == [8_030_261_248, 134_515_008]
     assert refs["cuda"][1]["extract_hidden_states"] == {"tokens_per_second": 216358.0, "load_seconds": 63.0}
