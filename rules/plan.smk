@@ -32,6 +32,7 @@ rule plan:
     params:
         target_dir=get_target_dir(),
         run_dir=layout.dir,
+        bench_dir=layout.bench_dir,
         plan_json=layout.plan_preview(),
         snakefile=workflow.main_snakefile,
     script:

@@ -124,6 +124,36 @@ def test_measured_throughput_and_token_counts_of_this_run_win(tmp_path):
     assert ext.source.startswith("reference") and ext.pending == [{"shard": "00000"}]
 
 
+def test_a_resumed_run_plans_each_job_with_the_fixed_seconds_its_finished_jobs_took(tmp_path):
+    """The fixed seconds of a measured stage are a job's wall time (its Snakemake benchmark) beyond its
+    work seconds, as the references count them, not only the model load its output records."""
+    res, bench = tmp_path / "results", tmp_path / "bench"
+    (res / "traces").mkdir(parents=True)
+    for shard, wall in (("00000", 80.0), ("00001", 75.0), ("00002", None)):  # 00002's benchmark is missing
+        rec = {"ok": 50, "prompt_tokens": 10_000, "completion_tokens": 15_000, "generate_seconds": 60.0, "model_load_seconds": 12.0}
+        (res / f"traces/shard-{shard}.summary.json").write_text(json.dumps(rec))
+        if wall:
+            _bench(bench / f"generate_traces/shard-{shard}.tsv", wall)
+    (res / "eval").mkdir()
+    rows = [{"concurrency": c, "with_drafter": {"output_tokens": 512, "seconds": 5.0}, "without_drafter": {"output_tokens": 512, "seconds": 7.0}}
+            for c in (1, 8)]  # fmt: skip
+    acc = {"output_tokens": 5_000, "seconds": 50.0, "model_load_seconds": 10.0, "speedup": rows}
+    (res / "eval/acceptance.json").write_text(json.dumps(acc))
+    _bench(bench / "evaluate_drafter.tsv", 130.0)
+    got = measured(res, bench)
+    # 80 - 60 and 75 - 60 s beyond the work; the shard without a benchmark keeps its 12 s of load
+    assert got["generate_traces"]["load_seconds"] == 20.0 and got["generate_traces"]["tokens_per_second"] == 250.0
+    # 130 s less 50 s of acceptance decoding, 2 x (5 + 7) s of speedup decoding and its second engine's 10 s
+    assert got["evaluate_drafter"]["load_seconds"] == 130.0 - 50.0 - 24.0 - 10.0
+    assert measured(res)["generate_traces"]["load_seconds"] == 12.0  # no benchmarks read: the recorded load
+    cfg = validate_config({"prompts": {"max_prompts": 200, "num_shards": 4}, "evaluation": {"speedup": {"concurrency": [1, 8]}}})
+    jobs = [_job("generate_traces", "00003"), _job("evaluate_drafter")]
+    plan = _by_stage(plan_run(cfg, None, res, jobs, platform="cpu", bench_dir=bench)[0])
+    assert plan["generate_traces"].seconds == pytest.approx(20.0 + 50 * 300 / 250.0, abs=0.1)  # the last shard's 50 answers
+    ev = plan["evaluate_drafter"]
+    assert ev.load_seconds == 46.0 and ev.seconds == pytest.approx(46.0 + ev.tokens / 100.0 + ev.work["speedup_seconds"], abs=0.1)
+
+
 def test_done_and_pending_come_from_snakemakes_jobs_not_from_files(tmp_path):
     """Every output exists (a finished run), but Snakemake reruns the vocabulary and what follows."""
     cfg = validate_config({"prompts": {"max_prompts": 12, "num_shards": 2}})

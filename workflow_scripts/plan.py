@@ -15,7 +15,7 @@ if __name__ == "__main__":
     # the jobs `snakemake -n` would run (changed parameters and code included), before start_log
     # redirects stderr: a workflow that cannot be dry-run fails here with Snakemake's message
     jobs = dry_run_jobs(sm.params.snakefile, Path.cwd(), dict(sm.config))
-    stages, platform = plan_run(sm.config, sm.params.target_dir, sm.params.run_dir, jobs)
+    stages, platform = plan_run(sm.config, sm.params.target_dir, sm.params.run_dir, jobs, bench_dir=sm.params.bench_dir)
     table = format_plan(stages, jobs)
     print(f"plan for run {sm.config['run']!r} on {platform}:\n{table}", file=sys.stderr, flush=True)  # the terminal
     start_log(sm.log[0])

@@ -182,11 +182,22 @@ def _positive(x, allow_zero: bool = False) -> bool:
     return ok and (x >= 0 if allow_zero else x > 0)
 
 
-def measured(run_dir: str | Path) -> dict:
-    """Throughput and load seconds measured by this run's finished outputs, per stage.
+def measured(run_dir: str | Path, bench_dir: str | Path | None = None) -> dict:
+    """Throughput and fixed seconds measured by this run's finished outputs, per stage.
 
-    Returns ``{stage: {"tokens_per_second", "load_seconds", "source"}}`` for the stages
-    that have finished outputs with timings (none for a fresh run).
+    Args:
+        run_dir: ``results/<run>``.
+        bench_dir: the run's :attr:`RunLayout.bench_dir`, where Snakemake's ``benchmark:`` files
+            give each job's whole wall time; None reads none.
+
+    Returns:
+        ``{stage: {"tokens_per_second", "load_seconds", "source"}}`` for the stages that have
+        finished outputs with timings (none for a fresh run). ``tokens_per_second``: the
+        stage's tokens over its jobs' work seconds. ``load_seconds``: the largest of its jobs'
+        fixed seconds, as the references count them (``references.json``): a job's wall time
+        beyond its work seconds (start-up, model load, shutdown; for the evaluation, beyond its
+        speedup measurement too) where its benchmark is in ``bench_dir``, else the model load
+        its output records.
     """
     lay = RunLayout.at(run_dir)
     out: dict = {}
@@ -200,11 +211,20 @@ def measured(run_dir: str | Path) -> dict:
     for stage, (_file, tok_key, sec_key, load_key) in STAGES.items():
         files = _stage_files(lay, stage)
         recs = []
-        for r in map(_read, files):  # a file without usable numbers is left out, not an error
+        for f in files:  # a file without usable numbers is left out, not an error
+            r = _read(f)
             try:
-                recs.append((num(r, tok_key), num(r, sec_key), num(r, load_key)))
+                tokens, seconds, load = num(r, tok_key), num(r, sec_key), num(r, load_key)
             except (TypeError, AttributeError):
                 continue
+            wall = (
+                _bench_seconds(Path(stage_benchmark(RunLayout.at(run_dir, bench_dir), stage, _wildcards_of(lay, stage, f))))
+                if bench_dir
+                else None
+            )
+            if wall is not None:
+                load = max(wall - seconds - _speedup_seconds(r, load), 0.0)
+            recs.append((tokens, seconds, load))
         recs = [x for x in recs if x[0] > 0 and x[1] > 0]
         if recs:
             out[stage] = {
@@ -213,6 +233,29 @@ def measured(run_dir: str | Path) -> dict:
                 "source": f"measured: {len(recs)} file(s) like {files[0]}",
             }
     return out
+
+
+def _wildcards_of(lay: RunLayout, stage: str, path: Path) -> dict:
+    """The wildcards of the job of ``stage`` whose record (:func:`stage_file`) is ``path``, one of
+    :func:`_stage_files`: ``{"shard": "NNNNN"}`` for a per-shard stage, else ``{}``."""
+    if stage not in PER_SHARD:
+        return {}
+    head, tail = Path(stage_file(lay, stage, {"shard": "\0"})).name.split("\0")
+    return {"shard": path.name[len(head) : len(path.name) - len(tail)]}
+
+
+def _speedup_seconds(rec: dict, load: float) -> float:
+    """Seconds an evaluation's record ``rec`` (``eval/acceptance.json``) spent on its speedup
+    measurement, as :func:`speedup_estimate` plans them: each row's decoding with and without
+    the drafter, and one more engine start (its ``model_load_seconds``, ``load``); 0 for other
+    stages' records and an evaluation without rows."""
+    rows = rec.get("speedup") if isinstance(rec, dict) else None
+    if not isinstance(rows, list) or not rows:
+        return 0.0
+    side_seconds = [
+        row[side].get("seconds") for row in rows if isinstance(row, dict) for side in SPEEDUP_SIDES if isinstance(row.get(side), dict)
+    ]
+    return load + sum(x for x in side_seconds if _positive(x))
 
 
 #: The two sides of a speedup measurement (``eval/acceptance.json``'s ``speedup`` rows).
@@ -334,7 +377,7 @@ def speedup_estimate(cfg: dict, eval_prompts: int, figures: dict | None, scale: 
     return {"seconds": round(seconds, 1), "tokens": tokens, "source": src}
 
 
-def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> list[StageEstimate]:
+def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str, bench_dir: str | Path | None = None) -> list[StageEstimate]:
     """The plan of a run: one :class:`StageEstimate` per full-model or training stage.
 
     Args:
@@ -348,6 +391,9 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
             there; which stages are pending, :func:`plan_run` decides from Snakemake's jobs).
         platform: which reference figures apply (:data:`REFERENCES`): ``"cuda"``, ``"cpu"`` (a
             CPU with fast bf16) or ``"cpu_fp32"`` (one without, computing in float32).
+        bench_dir: the run's :attr:`RunLayout.bench_dir`: finished jobs' wall times, for the
+            fixed seconds of the stages this run has measured (:func:`measured`); None leaves
+            them at the model load their outputs record.
 
     Raises:
         KeyError: an unknown platform.
@@ -356,7 +402,7 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str) -> li
 
     lay = RunLayout.at(run_dir)
     ref = reference_for(platform, target["params"])
-    got = measured(run_dir)
+    got = measured(run_dir, bench_dir)
     prompts_summary = _read(Path(lay.prompt_summary()))
     traces = [
         r
@@ -627,7 +673,12 @@ BUILTIN_SHAPE = {k: BUILTIN_CONFIG[k] for k in ("params", "num_hidden_layers", "
 
 
 def plan_run(
-    cfg: dict, target_dir: str | Path | None, run_dir: str | Path, jobs: list[dict], platform: str | None = None
+    cfg: dict,
+    target_dir: str | Path | None,
+    run_dir: str | Path,
+    jobs: list[dict],
+    platform: str | None = None,
+    bench_dir: str | Path | None = None,
 ) -> tuple[list[StageEstimate], str]:
     """Plan a workflow run: :func:`make_plan` with the target's shape and the platform found here,
     restricted to the jobs Snakemake will run.
@@ -642,6 +693,7 @@ def plan_run(
             an NVIDIA GPU (:func:`eagle3_pipeline.parallel.visible_gpus`), else ``"cpu"`` where
             the CPU has fast bf16 and ``"cpu_fp32"`` where it has not
             (:func:`eagle3_pipeline.precision.cpu_has_fast_bf16`).
+        bench_dir: as for :func:`make_plan`.
 
     Returns:
         ``(stages, platform)``; a stage none of whose jobs is in ``jobs`` is marked ``done``,
@@ -665,7 +717,7 @@ def plan_run(
         }
     else:
         target = BUILTIN_SHAPE
-    stages = make_plan(cfg, target, run_dir, platform)
+    stages = make_plan(cfg, target, run_dir, platform, bench_dir)
     for st in stages:
         st.pending = [j["wildcards"] for j in jobs if job_stage(j) == st.stage]
         st.done = not st.pending

@@ -253,7 +253,7 @@ def print_start_plan(workflow, config: dict, layout: RunLayout, target_dir: str 
 
     try:
         jobs = needrun_jobs(workflow)
-        stages, platform = plan_run(config, target_dir, layout.dir, jobs)
+        stages, platform = plan_run(config, target_dir, layout.dir, jobs, bench_dir=layout.bench_dir)
     except Exception as e:  # a plan is advice: never stop a run over it
         print(f"(no plan: {type(e).__name__}: {e})", file=sys.stderr)
         return
