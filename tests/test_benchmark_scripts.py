@@ -290,3 +290,30 @@ def test_the_hashing_benchmark_runs_as_documented_and_its_two_ways_agree(tmp_pat
     assert set(doc["phases"]) == {"after_0", "while_0"}
     assert abs(doc["summary"]["bytes"] - 0.125 * 2**30) <= 1000 * 4 * 4096 * 2  # within one sample: 1,000 tokens x 4 layers x 4,096 x bf16
     assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.processes
+def test_the_hf_backend_profile_runs_as_documented_at_a_tiny_shape(tmp_path):
+    """benchmarks/hf_backend_profile.py --tiny on CPU: every measurement ran over the samples it drew
+    (their token count recomputed here from the same seed), and its MFU is tokens/s x 2 x parameters
+    over the peak given."""
+    import numpy as np
+
+    out = tmp_path / "p.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/hf_backend_profile.py"), "--tiny", "--samples", "6", "--min-len", "40",
+           "--max-len", "90", "--batch-tokens", "256", "--peak-tflops", "1", "--profile", "--out", str(out)]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    m = doc["phases"]["measure"]
+    rng = np.random.default_rng(0)
+    tokens = 0
+    for _ in range(6):  # make_samples' draws: a length, then that many ids
+        t = int(rng.integers(40, 91))
+        rng.integers(0, 4096, size=t)
+        tokens += t
+    assert doc["failed"] == [] and m["tokens"] == tokens and m["layer_ids"] == [2, 4, 5, 8]
+    for k in ("forward_bt256", "extract_hf_bt256", "batch1"):
+        assert m[k]["tokens_per_second"] == pytest.approx(tokens / m[k]["seconds"], rel=0.01)
+        assert m[k]["mfu"] == pytest.approx(m[k]["tokens_per_second"] * 2 * m["parameters"] / 1e12, rel=0.01)
+    assert m["profile_extract_hf_bt256"]["samples"] == 4

@@ -1,0 +1,242 @@
+"""Where the ``hf`` extraction backend's time goes: its batches against the bare forward.
+
+The ``hf`` backend (``eagle3_pipeline.hf_backend.extract_hf``) runs transformers' decoder over
+batches of samples of similar length, right-padded, with forward hooks that capture the aux
+layers, then checks the states for NaN/Inf and copies them to the host, one batch at a time.
+This script builds a Llama-3.1-8B-shaped target with random bf16 weights in memory (no files,
+no tokenizer: token ids drawn at random; ``--layers`` cuts its depth), samples of 512-1,535
+tokens (the range of ``vs_speculators.py``'s ShareGPT samples), and times on the same batches:
+
+* ``forward``: the decoder alone (``model.model``) over the backend's padded batches, no hooks,
+  no copies: what transformers' forward costs;
+* ``extract_hf``: the backend's function itself, states copied to the host;
+* ``batch1``: the decoder over one sample at a time (no padding, no mask), no copies;
+
+each after a warm-up, with the GPU synchronized around it. ``--profile`` adds a
+``torch.profiler`` trace of ``extract_hf`` over the first batches: the GPU time per kernel
+class (matrix products, attention, copies between host and device, the rest) and the share of
+the wall time the GPU had no kernel running. MFU = tokens/s x 2 x parameters / ``--peak-tflops``
+(790: a bf16 matrix product measured on the H200 and H100 here).
+
+Run (GPU host: host torch and transformers suffice; CPU: ``--tiny``, a test-sized shape)::
+
+    python benchmarks/hf_backend_profile.py --out benchmarks/results/hf_backend_profile_h200.json --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "workflow_scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import phases  # noqa: E402
+
+#: Llama-3.1-8B's shape (vs_speculators.py's target); ``--tiny``: a 2-core CPU's
+SHAPES = {
+    "8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256},
+    "tiny": {"hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096},
+}
+
+
+def build(shape: str, layers: int, device: str):
+    """A random-weight ``LlamaForCausalLM`` of ``shape`` with ``layers`` decoder layers, bf16, eval mode."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**SHAPES[shape], num_hidden_layers=layers, max_position_embeddings=2048, rope_theta=500000.0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def make_samples(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list:
+    """``n`` samples of ``lo``-``hi`` random token ids (uniform lengths), the backend's ``Sample`` form."""
+    from eagle3_pipeline.shards import Sample
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        t = int(rng.integers(lo, hi + 1))
+        out.append(Sample(f"{i:016x}", rng.integers(0, vocab, size=t).astype(np.int64), np.ones(t, dtype=bool)))
+    return out
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _timed(fn, device: str) -> float:
+    _sync(device)
+    t = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t
+
+
+def run_forward(model, samples, batch_tokens: int, device: str) -> None:
+    """The decoder over ``make_batches``' padded batches: no hooks, no checks, no copies."""
+    import torch
+
+    from eagle3_pipeline.hf_backend import make_batches
+
+    lengths = [len(s.input_ids) for s in samples]
+    with torch.inference_mode():
+        for batch in make_batches(lengths, batch_tokens):
+            t_max = lengths[batch[0]]
+            ids = torch.zeros((len(batch), t_max), dtype=torch.long)
+            attn = torch.zeros((len(batch), t_max), dtype=torch.long)
+            for r, i in enumerate(batch):
+                ids[r, : lengths[i]] = torch.from_numpy(samples[i].input_ids)
+                attn[r, : lengths[i]] = 1
+            model.model(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False)
+
+
+def run_batch1(model, samples, device: str) -> None:
+    """The decoder over one sample at a time (no padding, no mask)."""
+    import torch
+
+    with torch.inference_mode():
+        for s in samples:
+            model.model(input_ids=torch.from_numpy(s.input_ids)[None].to(device), use_cache=False)
+
+
+def kernel_classes(prof, wall_s: float) -> dict:
+    """GPU (or CPU) self time per kernel class from a ``torch.profiler`` run, and the idle share."""
+    classes = {"matmul": 0.0, "attention": 0.0, "memcpy_dtoh": 0.0, "memcpy_htod": 0.0, "other": 0.0}
+    top = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", 0) or 0
+        if us <= 0:
+            continue
+        name = e.key.lower()
+        if "dtoh" in name or "device -> host" in name or "memcpy dtoh" in name:
+            k = "memcpy_dtoh"
+        elif "htod" in name or "host -> device" in name:
+            k = "memcpy_htod"
+        elif any(x in name for x in ("gemm", "nvjet", "cutlass", "matmul", "sm90_xmma", "cublas")):
+            k = "matmul"
+        elif any(x in name for x in ("flash", "fmha", "attention", "attn", "efficient")):
+            k = "attention"
+        else:
+            k = "other"
+        classes[k] += us / 1e6
+        top.append((us / 1e6, e.key[:90], e.count))
+    busy = sum(classes.values())
+    return {
+        "device_seconds": {k: round(v, 4) for k, v in classes.items()},
+        "wall_seconds": round(wall_s, 4),
+        "device_idle_share": round(max(0.0, 1 - busy / wall_s), 3) if wall_s and busy else None,
+        "top_kernels": [{"seconds": round(s, 4), "name": n, "calls": c} for s, n, c in sorted(top, reverse=True)[:15]],
+    }
+
+
+def measure(args) -> dict:
+    import torch
+
+    from eagle3_pipeline.hf_backend import extract_hf
+    from eagle3_pipeline.plan import estimate_params
+
+    device = args.device
+    t = time.perf_counter()
+    model = build(args.shape, args.layers, device)
+    build_s = time.perf_counter() - t
+    params = estimate_params(model.config)
+    samples = make_samples(args.samples, args.min_len, args.max_len, model.config.vocab_size)
+    tokens = sum(len(s.input_ids) for s in samples)
+    n = args.layers
+    layer_ids = [2, n // 2, max(n - 3, 1), n] if n >= 4 else list(range(1, n + 1))
+    out: dict = {
+        "shape": args.shape,
+        "layers": n,
+        "parameters": params,
+        "samples": len(samples),
+        "tokens": tokens,
+        "layer_ids": layer_ids,
+        "build_seconds": round(build_s, 2),
+    }
+
+    def rate(seconds: float) -> dict:
+        tps = tokens / seconds
+        return {
+            "seconds": round(seconds, 4),
+            "tokens_per_second": round(tps, 1),
+            "mfu": round(tps * 2 * params / (args.peak_tflops * 1e12), 4),
+        }
+
+    warm = samples[: max(2, len(samples) // 16)]
+    for bt in args.batch_tokens:
+        run_forward(model, warm, bt, device)
+        out[f"forward_bt{bt}"] = rate(_timed(lambda bt=bt: run_forward(model, samples, bt, device), device))
+
+        def ext(bt=bt):
+            got = extract_hf(model, samples, layer_ids, batch_tokens=bt, storage_dtype=torch.bfloat16)
+            assert sum(x.shape[0] for x in got) == tokens and got[0].shape[1:] == (len(layer_ids), model.config.hidden_size)
+
+        extract_hf(model, warm, layer_ids, batch_tokens=bt, storage_dtype=torch.bfloat16)
+        out[f"extract_hf_bt{bt}"] = rate(_timed(ext, device))
+    run_batch1(model, warm, device)
+    out["batch1"] = rate(_timed(lambda: run_batch1(model, samples, device), device))
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+        part = samples[: max(4, len(samples) // 4)]
+        bt = args.batch_tokens[0]
+        _sync(device)
+        with profile(activities=acts) as prof:
+            wall = _timed(lambda: extract_hf(model, part, layer_ids, batch_tokens=bt, storage_dtype=torch.bfloat16), device)
+        out[f"profile_extract_hf_bt{bt}"] = {"samples": len(part)} | kernel_classes(prof, wall)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="JSON to write")
+    ap.add_argument("--tiny", action="store_true", help="a test-sized shape (hidden 256) instead of Llama-3.1-8B's")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: 32, or 8 with --tiny)")
+    ap.add_argument("--samples", type=int, default=128)
+    ap.add_argument("--min-len", type=int, default=512)
+    ap.add_argument("--max-len", type=int, default=1535)
+    ap.add_argument(
+        "--batch-tokens", type=int, nargs="+", default=[8192, 16384], help="the backend's batch_tokens (default 8192 is the config's)"
+    )
+    ap.add_argument("--device", default=None, help="default: cuda when a GPU is visible, else cpu")
+    ap.add_argument("--peak-tflops", type=float, default=790.0)
+    ap.add_argument("--profile", action="store_true", help="add a torch.profiler breakdown of extract_hf")
+    args = ap.parse_args()
+    phases.fail_fast(phases.missing_packages(["torch", "transformers"]))
+    import torch
+
+    args.shape = "tiny" if args.tiny else "8b"
+    args.layers = args.layers or (8 if args.tiny else 32)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    results = phases.Results(
+        args.out,
+        {
+            "command": "python benchmarks/hf_backend_profile.py " + " ".join(sys.argv[1:]),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or platform.machine(),
+            "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__,
+        },
+    )
+    results.inline("measure", measure, args)
+    print(json.dumps(results.data, indent=2))
+    sys.exit(results.finish())
+
+
+if __name__ == "__main__":
+    main()
