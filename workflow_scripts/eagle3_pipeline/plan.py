@@ -200,6 +200,7 @@ def measured(run_dir: str | Path, bench_dir: str | Path | None = None) -> dict:
         its output records.
     """
     lay = RunLayout.at(run_dir)
+    bench = RunLayout.at(run_dir, bench_dir) if bench_dir is not None else None
     out: dict = {}
 
     def num(r: dict, k: str | None) -> float:
@@ -217,11 +218,7 @@ def measured(run_dir: str | Path, bench_dir: str | Path | None = None) -> dict:
                 tokens, seconds, load = num(r, tok_key), num(r, sec_key), num(r, load_key)
             except (TypeError, AttributeError):
                 continue
-            wall = (
-                _bench_seconds(Path(stage_benchmark(RunLayout.at(run_dir, bench_dir), stage, _wildcards_of(lay, stage, f))))
-                if bench_dir
-                else None
-            )
+            wall = _bench_seconds(Path(stage_benchmark(bench, stage, _wildcards_of(lay, stage, f)))) if bench else None
             if wall is not None:
                 load = max(wall - seconds - _speedup_seconds(r, load), 0.0)
             recs.append((tokens, seconds, load))
