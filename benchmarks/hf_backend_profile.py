@@ -11,6 +11,10 @@ tokens (the range of ``vs_speculators.py``'s ShareGPT samples), and times on the
   no copies: what transformers' forward costs;
 * ``extract_hf``: the backend's function itself, states copied to the host;
 * ``batch1``: the decoder over one sample at a time (no padding, no mask), no copies;
+* ``packed_<attn>`` (``--packed sdpa flex_attention``): the decoder over padding-free rows of up
+  to ``batch_tokens`` tokens, samples back to back with positions restarting at 0, which
+  transformers masks per sample in that attention implementation (flex attention skips the
+  masked blocks; sdpa computes the whole row), with its largest error against batch 1;
 
 each after a warm-up, with the GPU synchronized around it. ``--profile`` adds a
 ``torch.profiler`` trace of ``extract_hf`` over the first batches: the GPU time per kernel
@@ -20,7 +24,7 @@ the wall time the GPU had no kernel running. MFU = tokens/s x 2 x parameters / `
 
 Run (GPU host: host torch and transformers suffice; CPU: ``--tiny``, a test-sized shape)::
 
-    python benchmarks/hf_backend_profile.py --out benchmarks/results/hf_backend_profile_h200.json --profile
+    python benchmarks/hf_backend_profile.py --out benchmarks/results/hf_backend_profile_h200.json --profile --packed sdpa flex_attention
 """
 
 from __future__ import annotations
@@ -113,6 +117,56 @@ def run_batch1(model, samples, device: str) -> None:
             model.model(input_ids=torch.from_numpy(s.input_ids)[None].to(device), use_cache=False)
 
 
+def pack_rows(lengths: list[int], row_tokens: int) -> list[list[int]]:
+    """Sample indices packed into rows of at most ``row_tokens`` tokens, longest first (next fit); a
+    sample longer than ``row_tokens`` gets a row of its own."""
+    rows: list[list[int]] = []
+    used = row_tokens + 1
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if used + lengths[i] > row_tokens:
+            rows.append([])
+            used = 0
+        rows[-1].append(i)
+        used += lengths[i]
+    return rows
+
+
+def run_packed(model, samples, row_tokens: int, device: str, keep: int = 0) -> list:
+    """The decoder over padding-free rows (:func:`pack_rows`): samples back to back, positions restarting
+    at 0 for each and no attention mask, so that transformers masks attention within each sample
+    (``masking_utils.find_packed_sequence_indices``) in the model's attention implementation. Returns
+    the last layer's states ``[T_i, H]`` of the first ``keep`` samples (input order), for a check."""
+    import torch
+
+    lengths = [len(s.input_ids) for s in samples]
+    kept: dict[int, torch.Tensor] = {}
+    with torch.inference_mode():
+        for row in pack_rows(lengths, row_tokens):
+            ids = torch.cat([torch.from_numpy(samples[i].input_ids) for i in row])[None].to(device)
+            pos = torch.cat([torch.arange(lengths[i]) for i in row])[None].to(device)
+            out = model.model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state[0]
+            a = 0
+            for i in row:
+                if i < keep:
+                    kept[i] = out[a : a + lengths[i]].float().cpu()
+                a += lengths[i]
+    return [kept[i] for i in range(keep)]
+
+
+def packed_error(model, samples, row_tokens: int, device: str, n: int = 4) -> float:
+    """Largest relative error (Frobenius) of the packed forward's last-layer states against one sample at
+    a time, over the first ``n`` samples."""
+    import torch
+
+    got = run_packed(model, samples, row_tokens, device, keep=n)
+    errs = []
+    with torch.inference_mode():
+        for s, x in zip(samples[:n], got, strict=True):
+            ref = model.model(input_ids=torch.from_numpy(s.input_ids)[None].to(device), use_cache=False).last_hidden_state[0].float().cpu()
+            errs.append(((x - ref).norm() / ref.norm()).item())
+    return max(errs)
+
+
 def kernel_classes(prof, wall_s: float) -> dict:
     """GPU (or CPU) self time per kernel class from a ``torch.profiler`` run, and the idle share."""
     classes = {"matmul": 0.0, "attention": 0.0, "memcpy_dtoh": 0.0, "memcpy_htod": 0.0, "other": 0.0}
@@ -173,7 +227,7 @@ def measure(args) -> dict:
         return {
             "seconds": round(seconds, 4),
             "tokens_per_second": round(tps, 1),
-            "mfu": round(tps * 2 * params / (args.peak_tflops * 1e12), 4),
+            "mfu": float(f"{tps * 2 * params / (args.peak_tflops * 1e12):.4g}"),
         }
 
     warm = samples[: max(2, len(samples) // 16)]
@@ -189,6 +243,14 @@ def measure(args) -> dict:
         out[f"extract_hf_bt{bt}"] = rate(_timed(ext, device))
     run_batch1(model, warm, device)
     out["batch1"] = rate(_timed(lambda: run_batch1(model, samples, device), device))
+    default_attention = model.config._attn_implementation
+    for impl in args.packed:  # padding-free rows in each attention implementation asked for
+        model.set_attn_implementation(impl)
+        for bt in args.batch_tokens:
+            run_packed(model, warm, bt, device)  # warm-up (flex attention compiles its kernel here)
+            r = rate(_timed(lambda bt=bt: run_packed(model, samples, bt, device), device))
+            out[f"packed_{impl}_bt{bt}"] = r | {"max_rel_error_vs_batch1": round(packed_error(model, samples, bt, device), 5)}
+    model.set_attn_implementation(default_attention)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -216,6 +278,14 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="default: cuda when a GPU is visible, else cpu")
     ap.add_argument("--peak-tflops", type=float, default=790.0)
     ap.add_argument("--profile", action="store_true", help="add a torch.profiler breakdown of extract_hf")
+    ap.add_argument(
+        "--packed",
+        nargs="*",
+        default=[],
+        metavar="ATTN",
+        help="also time padding-free rows (positions restarting per sample, no mask) in these attention implementations, "
+        "e.g. sdpa flex_attention, checked against batch 1",
+    )
     args = ap.parse_args()
     phases.fail_fast(phases.missing_packages(["torch", "transformers"]))
     import torch

@@ -295,13 +295,13 @@ def test_the_hashing_benchmark_runs_as_documented_and_its_two_ways_agree(tmp_pat
 @pytest.mark.processes
 def test_the_hf_backend_profile_runs_as_documented_at_a_tiny_shape(tmp_path):
     """benchmarks/hf_backend_profile.py --tiny on CPU: every measurement ran over the samples it drew
-    (their token count recomputed here from the same seed), and its MFU is tokens/s x 2 x parameters
-    over the peak given."""
+    (their token count recomputed here from the same seed), its MFU is tokens/s x 2 x parameters
+    over the peak given, and packed rows give batch 1's states."""
     import numpy as np
 
     out = tmp_path / "p.json"
     cmd = [sys.executable, str(ROOT / "benchmarks/hf_backend_profile.py"), "--tiny", "--samples", "6", "--min-len", "40",
-           "--max-len", "90", "--batch-tokens", "256", "--peak-tflops", "1", "--profile", "--out", str(out)]  # fmt: skip
+           "--max-len", "90", "--batch-tokens", "256", "--peak-tflops", "1", "--profile", "--packed", "sdpa", "--out", str(out)]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(out.read_text())
@@ -313,7 +313,9 @@ def test_the_hf_backend_profile_runs_as_documented_at_a_tiny_shape(tmp_path):
         rng.integers(0, 4096, size=t)
         tokens += t
     assert doc["failed"] == [] and m["tokens"] == tokens and m["layer_ids"] == [2, 4, 5, 8]
-    for k in ("forward_bt256", "extract_hf_bt256", "batch1"):
+    # padding-free rows, masked per sample by transformers: the same states as one sample at a time, to bf16 rounding
+    assert m["packed_sdpa_bt256"]["max_rel_error_vs_batch1"] < 0.02
+    for k in ("forward_bt256", "extract_hf_bt256", "batch1", "packed_sdpa_bt256"):
         assert m[k]["tokens_per_second"] == pytest.approx(tokens / m[k]["seconds"], rel=0.01)
         assert m[k]["mfu"] == pytest.approx(m[k]["tokens_per_second"] * 2 * m["parameters"] / 1e12, rel=0.01)
     assert m["profile_extract_hf_bt256"]["samples"] == 4
