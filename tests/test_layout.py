@@ -166,12 +166,12 @@ def test_files_beside_a_shard():
 
 
 def _every_layout_path(lay: RunLayout, shards: list[str], variants: list[str], rules: list[str]) -> set[str]:
-    """Every path ``lay`` and its variants' layouts (the ``{variant}`` wildcard's too) give for the
+    """Every path ``lay`` (its benchmarks folder too) and its variants' layouts (the ``{variant}`` wildcard's too) give for the
     shards (and the ``{shard}`` wildcard) and rule names: each public method called with each
     fitting argument."""
     import inspect
 
-    out = {lay.dir, BUILTIN_TARGET_DIR, RunLayout.target_model_log(), RunLayout.target_model_benchmark()}
+    out = {lay.dir, lay.bench_dir, BUILTIN_TARGET_DIR, RunLayout.target_model_log(), RunLayout.target_model_benchmark()}
     for one in (lay, *(lay.variant(v) for v in [*variants, "{variant}"])):
         for name, fn in inspect.getmembers(one, inspect.ismethod):
             params = list(inspect.signature(fn).parameters)
