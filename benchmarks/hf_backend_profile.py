@@ -54,12 +54,12 @@ SHAPES = {
 def build(shape: str, layers: int, device: str):
     """A random-weight ``LlamaForCausalLM`` of ``shape`` with ``layers`` decoder layers, bf16, eval mode."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     cfg = LlamaConfig(**SHAPES[shape], num_hidden_layers=layers, max_position_embeddings=2048, rope_theta=500000.0)
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     return model.eval()
 
 
@@ -94,17 +94,11 @@ def run_forward(model, samples, batch_tokens: int, device: str) -> None:
     """The decoder over ``make_batches``' padded batches: no hooks, no checks, no copies."""
     import torch
 
-    from eagle3_pipeline.hf_backend import make_batches
+    from eagle3_pipeline.hf_backend import make_batches, pad_batch
 
-    lengths = [len(s.input_ids) for s in samples]
     with torch.inference_mode():
-        for batch in make_batches(lengths, batch_tokens):
-            t_max = lengths[batch[0]]
-            ids = torch.zeros((len(batch), t_max), dtype=torch.long)
-            attn = torch.zeros((len(batch), t_max), dtype=torch.long)
-            for r, i in enumerate(batch):
-                ids[r, : lengths[i]] = torch.from_numpy(samples[i].input_ids)
-                attn[r, : lengths[i]] = 1
+        for batch in make_batches([len(s.input_ids) for s in samples], batch_tokens):
+            ids, attn = pad_batch(samples, batch)
             model.model(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False)
 
 
@@ -200,6 +194,7 @@ def kernel_classes(prof, wall_s: float) -> dict:
 def measure(args) -> dict:
     import torch
 
+    from eagle3_pipeline.conventions import resolve_layer_ids
     from eagle3_pipeline.hf_backend import extract_hf
     from eagle3_pipeline.plan import estimate_params
 
@@ -211,7 +206,7 @@ def measure(args) -> dict:
     samples = make_samples(args.samples, args.min_len, args.max_len, model.config.vocab_size)
     tokens = sum(len(s.input_ids) for s in samples)
     n = args.layers
-    layer_ids = [2, n // 2, max(n - 3, 1), n] if n >= 4 else list(range(1, n + 1))
+    _aux, layer_ids = resolve_layer_ids(None, n)  # the default aux ids + the last layer, as extraction stores them
     out: dict = {
         "shape": args.shape,
         "layers": n,
@@ -243,14 +238,6 @@ def measure(args) -> dict:
         out[f"extract_hf_bt{bt}"] = rate(_timed(ext, device))
     run_batch1(model, warm, device)
     out["batch1"] = rate(_timed(lambda: run_batch1(model, samples, device), device))
-    default_attention = model.config._attn_implementation
-    for impl in args.packed:  # padding-free rows in each attention implementation asked for
-        model.set_attn_implementation(impl)
-        for bt in args.batch_tokens:
-            run_packed(model, warm, bt, device)  # warm-up (flex attention compiles its kernel here)
-            r = rate(_timed(lambda bt=bt: run_packed(model, samples, bt, device), device))
-            out[f"packed_{impl}_bt{bt}"] = r | {"max_rel_error_vs_batch1": round(packed_error(model, samples, bt, device), 5)}
-    model.set_attn_implementation(default_attention)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -261,6 +248,13 @@ def measure(args) -> dict:
         with profile(activities=acts) as prof:
             wall = _timed(lambda: extract_hf(model, part, layer_ids, batch_tokens=bt, storage_dtype=torch.bfloat16), device)
         out[f"profile_extract_hf_bt{bt}"] = {"samples": len(part)} | kernel_classes(prof, wall)
+    # last: each switches the model's attention implementation
+    for impl in args.packed:  # padding-free rows in each attention implementation asked for
+        model.set_attn_implementation(impl)
+        for bt in args.batch_tokens:
+            run_packed(model, warm, bt, device)  # warm-up (flex attention compiles its kernel here)
+            r = rate(_timed(lambda bt=bt: run_packed(model, samples, bt, device), device))
+            out[f"packed_{impl}_bt{bt}"] = r | {"max_rel_error_vs_batch1": round(packed_error(model, samples, bt, device), 5)}
     return out
 
 

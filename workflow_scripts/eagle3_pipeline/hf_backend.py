@@ -118,6 +118,21 @@ def make_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
     return batches
 
 
+def pad_batch(samples: Sequence[Sample], batch: Sequence[int], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The samples ``batch`` (indices into ``samples``, longest first, as :func:`make_batches` gives
+    them) right-padded to the longest: ``(input_ids, attention_mask)``, both int64 ``[B, T_max]`` on
+    CPU, the mask 1 on real tokens. Causal attention keeps real positions unaffected by the pads,
+    which all lie after them."""
+    t_max = len(samples[batch[0]].input_ids)
+    ids = torch.full((len(batch), t_max), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(batch), t_max), dtype=torch.long)
+    for r, i in enumerate(batch):
+        n = len(samples[i].input_ids)
+        ids[r, :n] = torch.from_numpy(samples[i].input_ids)
+        attn[r, :n] = 1
+    return ids, attn
+
+
 @torch.inference_mode()
 def extract_hf(
     model, samples: Sequence[Sample], layer_ids: Sequence[int], *, batch_tokens: int, storage_dtype: torch.dtype
@@ -135,19 +150,13 @@ def extract_hf(
     """
     device = model.get_input_embeddings().weight.device
     base = model.model
-    pad_id = 0
     cap = LayerCapture(base, layer_ids)
     out: list[torch.Tensor | None] = [None] * len(samples)
     lengths = [len(s.input_ids) for s in samples]
     try:
         bar = progress(total=sum(lengths), desc="extract", unit="tok", unit_scale=True)
         for batch in make_batches(lengths, batch_tokens):
-            t_max = lengths[batch[0]]
-            ids = torch.full((len(batch), t_max), pad_id, dtype=torch.long)
-            attn = torch.zeros((len(batch), t_max), dtype=torch.long)
-            for r, i in enumerate(batch):
-                ids[r, : lengths[i]] = torch.from_numpy(samples[i].input_ids)
-                attn[r, : lengths[i]] = 1
+            ids, attn = pad_batch(samples, batch)
             attn = attn.to(device)
             base(input_ids=ids.to(device), attention_mask=attn, use_cache=False)
             states = cap.stacked()  # [B, T, L, H]
