@@ -26,7 +26,7 @@ dry-run: setup
 test: setup lint $(TOKENIZERS)
 	$(PY) -m pytest -q --durations=40 tests
 
-# The unit tier: no snakemake run, no real target, no vLLM engine (about 30 s on 2 cores).
+# The unit tier: no snakemake run, no real target, no vLLM engine (about 45 s on 2 cores).
 test-fast: setup
 	$(PY) -m pytest -q tests -m "not e2e and not model and not workflow and not processes"
 
