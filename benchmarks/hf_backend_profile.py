@@ -161,36 +161,6 @@ def packed_error(model, samples, row_tokens: int, device: str, n: int = 4) -> fl
     return max(errs)
 
 
-def kernel_classes(prof, wall_s: float) -> dict:
-    """GPU (or CPU) self time per kernel class from a ``torch.profiler`` run, and the idle share."""
-    classes = {"matmul": 0.0, "attention": 0.0, "memcpy_dtoh": 0.0, "memcpy_htod": 0.0, "other": 0.0}
-    top = []
-    for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", 0) or 0
-        if us <= 0:
-            continue
-        name = e.key.lower()
-        if "dtoh" in name or "device -> host" in name or "memcpy dtoh" in name:
-            k = "memcpy_dtoh"
-        elif "htod" in name or "host -> device" in name:
-            k = "memcpy_htod"
-        elif any(x in name for x in ("gemm", "nvjet", "cutlass", "matmul", "sm90_xmma", "cublas")):
-            k = "matmul"
-        elif any(x in name for x in ("flash", "fmha", "attention", "attn", "efficient")):
-            k = "attention"
-        else:
-            k = "other"
-        classes[k] += us / 1e6
-        top.append((us / 1e6, e.key[:90], e.count))
-    busy = sum(classes.values())
-    return {
-        "device_seconds": {k: round(v, 4) for k, v in classes.items()},
-        "wall_seconds": round(wall_s, 4),
-        "device_idle_share": round(max(0.0, 1 - busy / wall_s), 3) if wall_s and busy else None,
-        "top_kernels": [{"seconds": round(s, 4), "name": n, "calls": c} for s, n, c in sorted(top, reverse=True)[:15]],
-    }
-
-
 def measure(args) -> dict:
     import torch
 
@@ -247,7 +217,7 @@ def measure(args) -> dict:
         _sync(device)
         with profile(activities=acts) as prof:
             wall = _timed(lambda: extract_hf(model, part, layer_ids, batch_tokens=bt, storage_dtype=torch.bfloat16), device)
-        out[f"profile_extract_hf_bt{bt}"] = {"samples": len(part)} | kernel_classes(prof, wall)
+        out[f"profile_extract_hf_bt{bt}"] = {"samples": len(part)} | phases.kernel_classes(prof, wall)
     # last: each switches the model's attention implementation
     for impl in args.packed:  # padding-free rows in each attention implementation asked for
         model.set_attn_implementation(impl)

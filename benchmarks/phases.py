@@ -430,6 +430,53 @@ def workflow_outputs(
 # --- command line, for the shell drivers ----------------------------------------------------------
 
 
+def kernel_classes(prof, wall_s: float) -> dict:
+    """Device self time per kernel class of a finished ``torch.profiler`` run, and the idle share.
+
+    Args:
+        prof: the ``torch.profiler.profile`` (its ``key_averages()``; CUDA activity recorded).
+        wall_s: wall-clock seconds of the profiled span.
+
+    Returns:
+        ``{"device_seconds": {class: s}, "wall_seconds", "device_idle_share", "top_kernels"}``:
+        classes ``matmul`` (GEMM kernels), ``attention``, ``memcpy_dtoh``, ``memcpy_htod`` and
+        ``other``, by kernel name, from the device's events only (an operator's CPU event
+        reports its kernels' time as well); the idle share is 1 - busy / wall (kernels of
+        several streams that overlap count twice, so it is a lower bound), ``None`` without
+        device events.
+    """
+    from torch.autograd import DeviceType
+
+    classes = {"matmul": 0.0, "attention": 0.0, "memcpy_dtoh": 0.0, "memcpy_htod": 0.0, "other": 0.0}
+    top = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", 0) or 0
+        # the kernels' own events only: an operator's (aten::mm, a CPU event) self device time
+        # is the time of the kernels it launched, which their events count already
+        if us <= 0 or e.device_type == DeviceType.CPU:
+            continue
+        name = e.key.lower()
+        if "dtoh" in name or "device -> host" in name or "memcpy dtoh" in name:
+            k = "memcpy_dtoh"
+        elif "htod" in name or "host -> device" in name:
+            k = "memcpy_htod"
+        elif any(x in name for x in ("gemm", "nvjet", "cutlass", "matmul", "sm90_xmma", "cublas")):
+            k = "matmul"
+        elif any(x in name for x in ("flash", "fmha", "attention", "attn", "efficient")):
+            k = "attention"
+        else:
+            k = "other"
+        classes[k] += us / 1e6
+        top.append((us / 1e6, e.key[:90], e.count))
+    busy = sum(classes.values())
+    return {
+        "device_seconds": {k: round(v, 4) for k, v in classes.items()},
+        "wall_seconds": round(wall_s, 4),
+        "device_idle_share": round(max(0.0, 1 - busy / wall_s), 3) if wall_s and busy else None,
+        "top_kernels": [{"seconds": round(s, 4), "name": n, "calls": c} for s, n, c in sorted(top, reverse=True)[:15]],
+    }
+
+
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     """Hold an exclusive lock beside ``path`` (drivers run phases side by side and record into one file)."""

@@ -319,3 +319,61 @@ def test_the_hf_backend_profile_runs_as_documented_at_a_tiny_shape(tmp_path):
         assert m[k]["tokens_per_second"] == pytest.approx(tokens / m[k]["seconds"], rel=0.01)
         assert m[k]["mfu"] == pytest.approx(m[k]["tokens_per_second"] * 2 * m["parameters"] / 1e12, rel=0.01)
     assert m["profile_extract_hf_bt256"]["samples"] == 4
+
+
+@pytest.mark.processes
+def test_the_training_profile_runs_as_documented_at_a_tiny_shape(tmp_path):
+    """benchmarks/train_profile.py --synthetic tiny on CPU: train_drafter's own loop ran the steps
+    asked for, the profiled ones after the skipped and warm-up ones; the labelled parts of a step
+    account for its time (on a CPU nothing runs beside the loop), forward and backward most of it;
+    the synthetic inputs hold the samples the seed draws."""
+    import numpy as np
+
+    out = tmp_path / "t.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/train_profile.py"), "--synthetic", "tiny", "--skip", "2", "--active", "3",
+           "--work", str(tmp_path / "w"), "--out", str(out)]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    rng = np.random.default_rng(0)
+    tokens = 0
+    for _ in range(48):  # write_synthetic's draws: a length, then that many ids
+        n = int(rng.integers(40, 91))
+        rng.integers(0, 2048, size=n)
+        tokens += n
+    assert doc["failed"] == [] and doc["inputs"]["tokens"] == tokens and doc["inputs"]["layer_ids"] == [2, 4, 5, 8]
+    p = doc["profile"]
+    assert p["steps"] == 6 and p["profiled_steps"] == [4, 6]
+    parts = p["host_seconds_per_step"]
+    assert set(parts) == {"load", "h2d", "forward", "backward", "optimizer", "metrics"}
+    assert 0.7 * p["seconds_per_step"] < sum(parts.values()) <= p["seconds_per_step"] * 1.001
+    assert parts["forward"] + parts["backward"] > 0.5 * p["seconds_per_step"]
+    # 3 steps of packs of at most 256 tokens, at the rate over the profiled wall time
+    assert 0 < p["tokens_per_second"] * p["seconds_per_step"] * 3 <= 3 * 256
+    assert (tmp_path / "w" / "train" / "drafter" / "config.json").exists()
+
+
+def test_kernel_classes_count_each_kernel_once_not_again_under_the_operator_that_launched_it():
+    """A profiler's averages hold an operator's CPU event (aten::mm) with its kernels' time as its
+    own self device time, beside the kernel's event: only the device's events are summed."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def ev(key, us, dev, count=1):
+        return SimpleNamespace(key=key, self_device_time_total=us, device_type=dev, count=count)
+
+    events = [
+        ev("aten::mm", 3000, DeviceType.CPU),
+        ev("sm90_xmma_gemm_bf16bf16_bf16f32", 3000, DeviceType.CUDA, 4),
+        ev("aten::_flash_attention_forward", 1000, DeviceType.CPU),
+        ev("flash_fwd_kernel", 1000, DeviceType.CUDA, 2),
+        ev("Memcpy HtoD (Pinned -> Device)", 500, DeviceType.CUDA),
+        ev("Memcpy DtoH (Device -> Pinned)", 300, DeviceType.CUDA),
+        ev("triton_poi_fused_add_0", 200, DeviceType.CUDA),
+        ev("train_step/forward", 0, DeviceType.CPU),
+    ]
+    got = phases.kernel_classes(SimpleNamespace(key_averages=lambda: events), wall_s=0.01)
+    assert got["device_seconds"] == {"matmul": 0.003, "attention": 0.001, "memcpy_dtoh": 0.0003, "memcpy_htod": 0.0005, "other": 0.0002}
+    assert got["device_idle_share"] == 0.5  # 5 ms of kernels in 10 ms
+    assert [k["name"] for k in got["top_kernels"]][:2] == ["sm90_xmma_gemm_bf16bf16_bf16f32", "flash_fwd_kernel"]

@@ -20,12 +20,13 @@ import logging
 import math
 import os
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from .conventions import drafter_aux_columns, prompt_of, repetition_loop
 from .io import InputError, atomic_dir, record_files, sha256_file, sha256_json, write_text_atomic
@@ -35,6 +36,14 @@ from .runtime import Timer, progress
 from .shards import ShardReader
 
 logger = logging.getLogger(__name__)
+
+#: The parts of a training step, by the label :func:`train` gives each for ``torch.profiler``
+#: (``record_function``; no cost beyond a few microseconds when no profiler runs): waiting for
+#: the next packed micro-batch from the loader, its copy to the device, the forward (TTT steps
+#: and loss), the backward, the optimizer (gradient clipping, optimizer and scheduler steps), and
+#: the metrics' read-back (an all-reduce, then a copy to the host that waits for the device to
+#: finish the step).
+STEP_PHASES = {k: f"train_step/{k}" for k in ("load", "h2d", "forward", "backward", "optimizer", "metrics")}
 
 
 def _base_dataset():
@@ -695,6 +704,7 @@ def train(
     max_seq_len: int,
     trust_remote_code: bool = False,
     summary_path: str | None = None,
+    step_callback: Callable[[int, int], None] | None = None,
 ) -> dict:
     """Train a drafter and write it (speculators format) to ``out_dir``.
 
@@ -714,6 +724,10 @@ def train(
             settings), another job of these outputs finished them (one that outlived its
             snakemake, waited for under :func:`eagle3_pipeline.hygiene.output_lock`), and that
             summary is returned without training again.
+        step_callback: called on every rank after each optimizer step with the step number and
+            the tokens seen so far over all ranks (``benchmarks/train_profile.py`` steps
+            ``torch.profiler`` with it). The parts of a step are labelled for a profiler by
+            :data:`STEP_PHASES`.
 
     Returns:
         a summary dict (steps, tokens seen, tokens/s, final validation metrics, ``fingerprint``).
@@ -922,23 +936,29 @@ def train(
                 opt.zero_grad(set_to_none=True)
             sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=device))
             for a in range(accum):
-                host = next(mine)
+                with record_function(STEP_PHASES["load"]):
+                    host = next(mine)
                 sums["tokens"] = sums["tokens"] + float((host["document_ids"] != -1).sum())
-                b = _batch_to(host, device)
+                with record_function(STEP_PHASES["h2d"]):
+                    b = _batch_to(host, device)
                 sync = contextlib.nullcontext() if ctx.parallelism != "ddp" or a == accum - 1 else model.no_sync()
                 with sync:
-                    with torch.autocast(device.split(":")[0], dtype=autocast, enabled=autocast is not None):
+                    amp = torch.autocast(device.split(":")[0], dtype=autocast, enabled=autocast is not None)
+                    with record_function(STEP_PHASES["forward"]), amp:
                         _, loss, metrics = model(**b, **call_kwargs)
-                    (loss / accum).backward()
+                    with record_function(STEP_PHASES["backward"]):
+                        (loss / accum).backward()
                 for k, v in metrics.items():
                     sums[k] = sums[k] + v.detach().float()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            for opt in optimizers:
-                opt.step()
-            for sch in schedulers:
-                sch.step()
+            with record_function(STEP_PHASES["optimizer"]):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                for opt in optimizers:
+                    opt.step()
+                for sch in schedulers:
+                    sch.step()
             step += 1
-            reduced = ctx.all_reduce_sum(sums)
+            with record_function(STEP_PHASES["metrics"]):
+                reduced = ctx.all_reduce_sum(sums)
             tokens_seen += int(reduced.pop("tokens"))
             last_train = _step_metrics(reduced, per_step)
             if step % cfg["log_every_steps"] == 0 or step == total_steps:
@@ -962,6 +982,8 @@ def train(
                     (tokens_seen - tokens_at_start) / max(timer.seconds, 1e-9),
                 )
             bar.update(1)
+            if step_callback is not None:
+                step_callback(step, tokens_seen)
             if step == warm_step:
                 warm_mark = (timer.seconds, tokens_seen)
             if every and step % every == 0 and step < total_steps and si + 1 < epoch_steps:
