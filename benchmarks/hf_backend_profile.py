@@ -11,12 +11,15 @@ tokens (the range of ``vs_speculators.py``'s ShareGPT samples), and times on the
   no copies: what transformers' forward costs;
 * ``extract_hf``: the backend's function itself, states copied to the host;
 * ``batch1``: the decoder over one sample at a time (no padding, no mask), no copies;
+* ``compiled_forward`` (``--compile``): ``forward`` with the decoder under ``torch.compile``
+  (dynamic shapes), its first pass (compilation) timed apart;
 * ``packed_<attn>`` (``--packed sdpa flex_attention``): the decoder over padding-free rows of up
   to ``batch_tokens`` tokens, samples back to back with positions restarting at 0, which
   transformers masks per sample in that attention implementation (flex attention skips the
   masked blocks; sdpa computes the whole row), with its largest error against batch 1;
 
-each after a warm-up, with the GPU synchronized around it. ``--profile`` adds a
+each after a warm-up, with the GPU synchronized around it, and each a phase of its own in the
+JSON (one that fails is recorded with its error; the rest still run). ``--profile`` adds a
 ``torch.profiler`` trace of ``extract_hf`` over the first batches: the GPU time per kernel
 class (matrix products, attention, copies between host and device, the rest) and the share of
 the wall time the GPU had no kernel running. MFU = tokens/s x 2 x parameters / ``--peak-tflops``
@@ -24,7 +27,7 @@ the wall time the GPU had no kernel running. MFU = tokens/s x 2 x parameters / `
 
 Run (GPU host: host torch and transformers suffice; CPU: ``--tiny``, a test-sized shape)::
 
-    python benchmarks/hf_backend_profile.py --out benchmarks/results/hf_backend_profile_h200.json --profile --packed sdpa flex_attention
+    python benchmarks/hf_backend_profile.py --out benchmarks/results/hf_backend_profile_h200.json --profile --compile --packed sdpa flex_attention
 """
 
 from __future__ import annotations
@@ -161,7 +164,9 @@ def packed_error(model, samples, row_tokens: int, device: str, n: int = 4) -> fl
     return max(errs)
 
 
-def measure(args) -> dict:
+def measure(args, results: phases.Results) -> None:
+    """Each measurement a phase of its own in ``results`` (``setup`` first): one that fails (a
+    kernel the GPU lacks, memory) is recorded with its error and the others still run."""
     import torch
 
     from eagle3_pipeline.conventions import resolve_layer_ids
@@ -177,15 +182,18 @@ def measure(args) -> dict:
     tokens = sum(len(s.input_ids) for s in samples)
     n = args.layers
     _aux, layer_ids = resolve_layer_ids(None, n)  # the default aux ids + the last layer, as extraction stores them
-    out: dict = {
-        "shape": args.shape,
-        "layers": n,
-        "parameters": params,
-        "samples": len(samples),
-        "tokens": tokens,
-        "layer_ids": layer_ids,
-        "build_seconds": round(build_s, 2),
-    }
+    results.put(
+        "setup",
+        {
+            "shape": args.shape,
+            "layers": n,
+            "parameters": params,
+            "samples": len(samples),
+            "tokens": tokens,
+            "layer_ids": layer_ids,
+            "build_seconds": round(build_s, 2),
+        },
+    )
 
     def rate(seconds: float) -> dict:
         tps = tokens / seconds
@@ -195,37 +203,65 @@ def measure(args) -> dict:
             "mfu": float(f"{tps * 2 * params / (args.peak_tflops * 1e12):.4g}"),
         }
 
+    def timed(fn, warm_up) -> dict:
+        warm_up()
+        return rate(_timed(fn, device))
+
     warm = samples[: max(2, len(samples) // 16)]
     for bt in args.batch_tokens:
-        run_forward(model, warm, bt, device)
-        out[f"forward_bt{bt}"] = rate(_timed(lambda bt=bt: run_forward(model, samples, bt, device), device))
+        results.inline(
+            f"forward_bt{bt}",
+            timed,
+            lambda bt=bt: run_forward(model, samples, bt, device),
+            lambda bt=bt: run_forward(model, warm, bt, device),
+        )
 
-        def ext(bt=bt):
-            got = extract_hf(model, samples, layer_ids, batch_tokens=bt, storage_dtype=torch.bfloat16)
-            assert sum(x.shape[0] for x in got) == tokens and got[0].shape[1:] == (len(layer_ids), model.config.hidden_size)
+        def ext(part, bt=bt):
+            got = extract_hf(model, part, layer_ids, batch_tokens=bt, storage_dtype=torch.bfloat16)
+            assert sum(x.shape[0] for x in got) == sum(len(s.input_ids) for s in part)
+            assert got[0].shape[1:] == (len(layer_ids), model.config.hidden_size)
 
-        extract_hf(model, warm, layer_ids, batch_tokens=bt, storage_dtype=torch.bfloat16)
-        out[f"extract_hf_bt{bt}"] = rate(_timed(ext, device))
-    run_batch1(model, warm, device)
-    out["batch1"] = rate(_timed(lambda: run_batch1(model, samples, device), device))
+        results.inline(f"extract_hf_bt{bt}", timed, lambda ext=ext: ext(samples), lambda ext=ext: ext(warm))
+    results.inline("batch1", timed, lambda: run_batch1(model, samples, device), lambda: run_batch1(model, warm, device))
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
         part = samples[: max(4, len(samples) // 4)]
         bt = args.batch_tokens[0]
-        _sync(device)
-        with profile(activities=acts) as prof:
-            wall = _timed(lambda: extract_hf(model, part, layer_ids, batch_tokens=bt, storage_dtype=torch.bfloat16), device)
-        out[f"profile_extract_hf_bt{bt}"] = {"samples": len(part)} | phases.kernel_classes(prof, wall)
-    # last: each switches the model's attention implementation
+
+        def profiled() -> dict:
+            _sync(device)
+            with profile(activities=acts) as prof:
+                wall = _timed(lambda: extract_hf(model, part, layer_ids, batch_tokens=bt, storage_dtype=torch.bfloat16), device)
+            return {"samples": len(part)} | phases.kernel_classes(prof, wall)
+
+        results.inline(f"profile_extract_hf_bt{bt}", profiled)
+    # each switches the model's attention implementation (compile, after them, sets sdpa back)
     for impl in args.packed:  # padding-free rows in each attention implementation asked for
         model.set_attn_implementation(impl)
         for bt in args.batch_tokens:
-            run_packed(model, warm, bt, device)  # warm-up (flex attention compiles its kernel here)
-            r = rate(_timed(lambda bt=bt: run_packed(model, samples, bt, device), device))
-            out[f"packed_{impl}_bt{bt}"] = r | {"max_rel_error_vs_batch1": round(packed_error(model, samples, bt, device), 5)}
-    return out
+
+            def packed(bt=bt) -> dict:
+                run_packed(model, warm, bt, device)  # warm-up (flex attention compiles its kernel here)
+                r = rate(_timed(lambda: run_packed(model, samples, bt, device), device))
+                return r | {"max_rel_error_vs_batch1": round(packed_error(model, samples, bt, device), 5)}
+
+            results.inline(f"packed_{impl}_bt{bt}", packed)
+    if args.compile:  # the decoder under torch.compile (shapes marked dynamic), padded batches as the backend's
+        model.set_attn_implementation("sdpa")  # the backend's (transformers' default for Llama)
+        plain = model.model
+        model.model = torch.compile(plain, dynamic=True)
+        for bt in args.batch_tokens:
+
+            def compiled(bt=bt) -> dict:
+                t = time.perf_counter()
+                run_forward(model, warm, bt, device)  # compiles (once, and again for shapes it cannot reuse)
+                first = time.perf_counter() - t
+                return rate(_timed(lambda: run_forward(model, samples, bt, device), device)) | {"first_pass_seconds": round(first, 1)}
+
+            results.inline(f"compiled_forward_bt{bt}", compiled)
+        model.model = plain
 
 
 def main() -> None:
@@ -242,6 +278,7 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="default: cuda when a GPU is visible, else cpu")
     ap.add_argument("--peak-tflops", type=float, default=790.0)
     ap.add_argument("--profile", action="store_true", help="add a torch.profiler breakdown of extract_hf")
+    ap.add_argument("--compile", action="store_true", help="also time the padded forward with the decoder under torch.compile")
     ap.add_argument(
         "--packed",
         nargs="*",
@@ -267,7 +304,7 @@ def main() -> None:
             "transformers": __import__("transformers").__version__,
         },
     )
-    results.inline("measure", measure, args)
+    measure(args, results)
     print(json.dumps(results.data, indent=2))
     sys.exit(results.finish())
 

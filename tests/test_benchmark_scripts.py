@@ -305,19 +305,19 @@ def test_the_hf_backend_profile_runs_as_documented_at_a_tiny_shape(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(out.read_text())
-    m = doc["phases"]["measure"]
+    m = doc["phases"]
     rng = np.random.default_rng(0)
     tokens = 0
     for _ in range(6):  # make_samples' draws: a length, then that many ids
         t = int(rng.integers(40, 91))
         rng.integers(0, 4096, size=t)
         tokens += t
-    assert doc["failed"] == [] and m["tokens"] == tokens and m["layer_ids"] == [2, 4, 5, 8]
+    assert doc["failed"] == [] and m["setup"]["tokens"] == tokens and m["setup"]["layer_ids"] == [2, 4, 5, 8]
     # padding-free rows, masked per sample by transformers: the same states as one sample at a time, to bf16 rounding
     assert m["packed_sdpa_bt256"]["max_rel_error_vs_batch1"] < 0.02
     for k in ("forward_bt256", "extract_hf_bt256", "batch1", "packed_sdpa_bt256"):
         assert m[k]["tokens_per_second"] == pytest.approx(tokens / m[k]["seconds"], rel=0.01)
-        assert m[k]["mfu"] == pytest.approx(m[k]["tokens_per_second"] * 2 * m["parameters"] / 1e12, rel=0.01)
+        assert m[k]["mfu"] == pytest.approx(m[k]["tokens_per_second"] * 2 * m["setup"]["parameters"] / 1e12, rel=0.01)
     assert m["profile_extract_hf_bt256"]["samples"] == 4
 
 
