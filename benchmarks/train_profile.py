@@ -16,7 +16,8 @@ records ``--active`` steps. Per step it reports the host's seconds in each label
 step (``training.STEP_PHASES``: waiting for the loader's next pack, its copy to the device,
 forward, backward, optimizer, the metrics' read-back, which waits for the device to finish the
 step), the device's seconds per kernel class and its idle share (``phases.kernel_classes``),
-and the tokens/s of the profiled steps (the profiler's own overhead included).
+and the tokens/s of the profiled steps (the profiler's own overhead included) beside that of the
+second half of the skipped steps (no profiler).
 
 Run (a GPU host with the workflow's environment, ``bash envs/gpu-host-setup.sh <wheelhouse>``)::
 
@@ -164,8 +165,10 @@ def profile_training(inputs: dict, cfg: dict, skip: int, active: int, work: Path
     """``training.train`` on ``inputs`` with ``cfg`` for ``skip + 1 + active`` steps, the last ``active`` profiled.
 
     Returns:
-        ``{"steps", "profiled_steps", "tokens_per_second", "host_seconds_per_step": {part: s},
-        "device": {kernel classes, idle share}, "summary": train's summary (scalars)}``.
+        ``{"steps", "profiled_steps", "seconds_per_step", "tokens_per_second", "unprofiled_steps",
+        "unprofiled_tokens_per_second", "host_seconds_per_step": {part: s}, "device": {kernel
+        classes, idle share}, "summary": train's summary (scalars)}``; steps are numbered from 1,
+        ranges inclusive.
 
     Raises:
         RuntimeError: training ended before the profiled steps (too few packs: fewer ``--skip``/
@@ -214,6 +217,12 @@ def profile_training(inputs: dict, cfg: dict, skip: int, active: int, work: Path
         "profiled_steps": [first + 1, last],
         "seconds_per_step": round(wall / active, 5),
         "tokens_per_second": round((marks[last][1] - marks[first][1]) / wall, 1),
+        # the same loop before the profiler started recording (steps after the first half of the
+        # skipped ones, which hold the compilation): the rate without the profiler's overhead
+        "unprofiled_steps": [skip // 2 + 1, skip],
+        "unprofiled_tokens_per_second": round((marks[skip][1] - marks[skip // 2][1]) / (marks[skip][0] - marks[skip // 2][0]), 1)
+        if skip >= 2
+        else None,
         "host_seconds_per_step": host,
         "device": phases.kernel_classes(prof, wall),
         "summary": {k: v for k, v in summary.items() if not isinstance(v, list | dict)},

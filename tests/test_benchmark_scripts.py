@@ -343,7 +343,7 @@ def test_the_training_profile_runs_as_documented_at_a_tiny_shape(tmp_path):
         tokens += n
     assert doc["failed"] == [] and doc["inputs"]["tokens"] == tokens and doc["inputs"]["layer_ids"] == [2, 4, 5, 8]
     p = doc["profile"]
-    assert p["steps"] == 6 and p["profiled_steps"] == [4, 6]
+    assert p["steps"] == 6 and p["profiled_steps"] == [4, 6] and p["unprofiled_steps"] == [2, 2] and p["unprofiled_tokens_per_second"] > 0
     parts = p["host_seconds_per_step"]
     assert set(parts) == {"load", "h2d", "forward", "backward", "optimizer", "metrics"}
     assert 0.7 * p["seconds_per_step"] < sum(parts.values()) <= p["seconds_per_step"] * 1.001
