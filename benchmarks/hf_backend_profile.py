@@ -10,7 +10,10 @@ tokens (the range of ``vs_speculators.py``'s ShareGPT samples), and times on the
 * ``forward``: the decoder alone (``model.model``) over the backend's padded batches, no hooks,
   no copies: what transformers' forward costs;
 * ``extract_hf``: the backend's function itself, states copied to the host;
-* ``batch1``: the decoder over one sample at a time (no padding, no mask), no copies;
+* ``batch1``: the decoder over one sample at a time (no padding, no mask), no copies, and
+  ``padded_error``: how far the padded batch's states are from it (another batch shape's rounding);
+* ``host_copy`` (GPU): one batch's states brought to the host, into pageable memory against
+  the backend's pinned buffer (``hf_backend.to_host``);
 * ``compiled_forward`` (``--compile``): ``forward`` with the decoder under ``torch.compile``
   (dynamic shapes), its first pass (compilation) timed apart;
 * ``packed_<attn>`` (``--packed sdpa flex_attention``): the decoder over padding-free rows of up
@@ -164,6 +167,55 @@ def packed_error(model, samples, row_tokens: int, device: str, n: int = 4) -> fl
     return max(errs)
 
 
+def padded_error(model, samples, batch_tokens: int, device: str, n: int = 4) -> float:
+    """Largest relative error (Frobenius) of the backend's padded batch's last-layer states against
+    one sample at a time, over the samples of the first batch (at most ``n``): the rounding of
+    another batch shape, the yardstick for the packed rows' error."""
+    import torch
+
+    from eagle3_pipeline.hf_backend import make_batches, pad_batch
+
+    batch = make_batches([len(s.input_ids) for s in samples], batch_tokens)[0][:n]
+    ids, attn = pad_batch(samples, batch)
+    errs = []
+    with torch.inference_mode():
+        states = model.model(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False).last_hidden_state.float()
+        for r, i in enumerate(batch):
+            t = len(samples[i].input_ids)
+            ref = (
+                model.model(input_ids=torch.from_numpy(samples[i].input_ids)[None].to(device), use_cache=False).last_hidden_state[0].float()
+            )
+            errs.append(((states[r, :t] - ref).norm() / ref.norm()).item())
+    return max(errs)
+
+
+def host_copy(batch_tokens: int, layers: int, hidden: int, rounds: int = 3) -> dict:
+    """Seconds to bring one batch's captured states (``batch_tokens`` x ``layers`` x ``hidden`` bf16)
+    from the GPU to the host: into ordinary (pageable) memory, as the backend did, against
+    ``hf_backend.to_host`` (a pinned buffer) plus the copy out of it that the backend keeps."""
+    import torch
+
+    from eagle3_pipeline.hf_backend import to_host
+
+    x = torch.randn(batch_tokens, layers, hidden, device="cuda", dtype=torch.bfloat16)
+
+    def secs(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(rounds):
+            fn()
+        torch.cuda.synchronize()
+        return round((time.perf_counter() - t) / rounds, 5)
+
+    return {
+        "bytes": x.numel() * x.element_size(),
+        "pageable_seconds": secs(lambda: x.to("cpu")),
+        "pinned_seconds": secs(lambda: to_host(x)),
+        "pinned_and_copy_out_seconds": secs(lambda: to_host(x).clone()),
+    }
+
+
 def measure(args, results: phases.Results) -> None:
     """Each measurement a phase of its own in ``results`` (``setup`` first): one that fails (a
     kernel the GPU lacks, memory) is recorded with its error and the others still run."""
@@ -223,6 +275,11 @@ def measure(args, results: phases.Results) -> None:
 
         results.inline(f"extract_hf_bt{bt}", timed, lambda ext=ext: ext(samples), lambda ext=ext: ext(warm))
     results.inline("batch1", timed, lambda: run_batch1(model, samples, device), lambda: run_batch1(model, warm, device))
+    results.inline(
+        "padded_error", lambda: {"max_rel_error_vs_batch1": round(padded_error(model, samples, args.batch_tokens[0], device), 5)}
+    )
+    if device.startswith("cuda"):
+        results.inline("host_copy", host_copy, args.batch_tokens[0], len(layer_ids), model.config.hidden_size)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
