@@ -15,7 +15,9 @@ tokens (the range of ``vs_speculators.py``'s ShareGPT samples), and times on the
 * ``host_copy`` (GPU): one batch's states brought to the host, into pageable memory against
   the backend's pinned buffer (``hf_backend.to_host``);
 * ``compiled_forward`` (``--compile``): ``forward`` with the decoder under ``torch.compile``
-  (dynamic shapes), its first pass (compilation) timed apart;
+  (dynamic shapes), its first pass (compilation) timed apart, and ``compiled_extract_hf``:
+  ``extract_hf`` itself with the compiled decoder (hooks included), after a whole pass, with its
+  largest error against the eager ``extract_hf`` over 8 samples;
 * ``packed_<attn>`` (``--packed sdpa flex_attention``): the decoder over padding-free rows of up
   to ``batch_tokens`` tokens, samples back to back with positions restarting at 0, which
   transformers masks per sample in that attention implementation (flex attention skips the
@@ -259,6 +261,11 @@ def measure(args, results: phases.Results) -> None:
         warm_up()
         return rate(_timed(fn, device))
 
+    def ext(part, bt: int) -> None:
+        got = extract_hf(model, part, layer_ids, batch_tokens=bt, storage_dtype=torch.bfloat16)
+        assert sum(x.shape[0] for x in got) == sum(len(s.input_ids) for s in part)
+        assert got[0].shape[1:] == (len(layer_ids), model.config.hidden_size)
+
     warm = samples[: max(2, len(samples) // 16)]
     for bt in args.batch_tokens:
         results.inline(
@@ -268,12 +275,7 @@ def measure(args, results: phases.Results) -> None:
             lambda bt=bt: run_forward(model, warm, bt, device),
         )
 
-        def ext(part, bt=bt):
-            got = extract_hf(model, part, layer_ids, batch_tokens=bt, storage_dtype=torch.bfloat16)
-            assert sum(x.shape[0] for x in got) == sum(len(s.input_ids) for s in part)
-            assert got[0].shape[1:] == (len(layer_ids), model.config.hidden_size)
-
-        results.inline(f"extract_hf_bt{bt}", timed, lambda ext=ext: ext(samples), lambda ext=ext: ext(warm))
+        results.inline(f"extract_hf_bt{bt}", timed, lambda bt=bt: ext(samples, bt), lambda bt=bt: ext(warm, bt))
     results.inline("batch1", timed, lambda: run_batch1(model, samples, device), lambda: run_batch1(model, warm, device))
     results.inline(
         "padded_error", lambda: {"max_rel_error_vs_batch1": round(padded_error(model, samples, args.batch_tokens[0], device), 5)}
@@ -318,6 +320,22 @@ def measure(args, results: phases.Results) -> None:
                 return rate(_timed(lambda: run_forward(model, samples, bt, device), device)) | {"first_pass_seconds": round(first, 1)}
 
             results.inline(f"compiled_forward_bt{bt}", compiled)
+        bt = args.batch_tokens[0]
+        model.model = plain
+        ref = extract_hf(model, samples[:8], layer_ids, batch_tokens=bt, storage_dtype=torch.bfloat16)
+        # compiled code is kept per code object and does not see hooks added after it was made:
+        # without a reset, extract_hf's capture hooks would never run in the graphs compiled above
+        torch.compiler.reset()
+        model.model = torch.compile(plain, dynamic=True)
+
+        def compiled_extract() -> dict:
+            ext(samples, bt)  # a whole pass first: compilation, and shapes the first batches did not have
+            r = rate(_timed(lambda: ext(samples, bt), device))
+            got = extract_hf(model, samples[:8], layer_ids, batch_tokens=bt, storage_dtype=torch.bfloat16)
+            err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, ref, strict=True))
+            return r | {"max_rel_error_vs_eager": round(err, 5)}
+
+        results.inline(f"compiled_extract_hf_bt{bt}", compiled_extract)
         model.model = plain
 
 

@@ -377,3 +377,26 @@ def test_kernel_classes_count_each_kernel_once_not_again_under_the_operator_that
     assert got["device_seconds"] == {"matmul": 0.003, "attention": 0.001, "memcpy_dtoh": 0.0003, "memcpy_htod": 0.0005, "other": 0.0002}
     assert got["device_idle_share"] == 0.5  # 5 ms of kernels in 10 ms
     assert [k["name"] for k in got["top_kernels"]][:2] == ["sm90_xmma_gemm_bf16bf16_bf16f32", "flash_fwd_kernel"]
+
+
+@pytest.mark.processes
+def test_the_hf_backend_profile_needs_only_torch_and_transformers_of_the_workflow_environment():
+    """A GPU image's Python has torch and transformers but not the workflow's other packages: the
+    profile's imports (hf_backend, plan.estimate_params, conventions) load with jsonschema, yaml,
+    snakemake, vllm and speculators hidden."""
+    code = textwrap.dedent(f"""
+        import sys
+        class Hide:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("jsonschema", "yaml", "snakemake", "vllm", "speculators"):
+                    raise ImportError("hidden: " + name)
+        sys.meta_path.insert(0, Hide())
+        sys.path[:0] = [{str(ROOT / "benchmarks")!r}]
+        import hf_backend_profile
+        from eagle3_pipeline.conventions import resolve_layer_ids
+        from eagle3_pipeline.hf_backend import extract_hf, make_batches, pad_batch, to_host
+        from eagle3_pipeline.plan import estimate_params
+        print("imports ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "imports ok" in r.stdout, r.stderr[-2000:]

@@ -138,12 +138,12 @@ def to_host(x: torch.Tensor) -> torch.Tensor:
     page-locked (pinned) buffer, which the caller copies what it keeps out of before the next call.
 
     A copy from the GPU into ordinary (pageable) memory runs at the speed of the driver's own
-    staging: 1.6 GB/s for a batch of 16 x 1,024 tokens x 4 layers of an 8B target (537 MB,
-    H100, ``benchmarks/results/d2h_and_errors_h100.json``), which took as long as the batch's
-    matrix products; into a pinned buffer it runs at 55 GB/s, and the buffer plus a copy out of
-    it on the host took 52 ms against 334 ms. The buffer comes from torch's caching allocator of
-    pinned memory, which hands the freed block to the next batch instead of pinning new memory
-    (176 ms for a new 537 MB block).
+    staging: for a batch of 8,192 tokens x 4 layers of an 8B target (268 MB, H100) 0.18 s
+    (1.5 GB/s), against 4.9 ms into a pinned buffer and 29-31 ms with the copy out of it on the
+    host (``host_copy`` in ``benchmarks/results/hf_backend_profile_after_h100.json``); before,
+    the copies took as much GPU time as the batches' matrix products. The buffer comes from
+    torch's caching allocator of pinned memory, which hands the freed block to the next batch
+    instead of pinning new memory each time.
     """
     if x.device.type == "cpu":
         return x

@@ -31,7 +31,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from .layout import RunLayout
-from .sweep import shares_drafter, variant_configs
 from .target_model import BUILTIN_CONFIG
 
 #: Each stage's output that records its work: (the layout's file of a job, tokens key, seconds key,
@@ -478,6 +477,8 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str, bench
     eval_tokens = eval_prompts * cfg["evaluation"]["max_tokens"]
     # sweep variants: more trainings (those with a drafter of their own) and evaluations, each
     # planned like the run's own
+    from .sweep import shares_drafter, variant_configs  # here: estimate_params needs no config schema (jsonschema)
+
     variants = variant_configs(cfg) if cfg.get("sweep", {}).get("variants") else {}
     n_train = 1 + sum(not shares_drafter(cfg, v) for v in variants.values())
     n_eval = 1 + len(variants)
