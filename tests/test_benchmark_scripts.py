@@ -400,3 +400,29 @@ def test_the_hf_backend_profile_needs_only_torch_and_transformers_of_the_workflo
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "imports ok" in r.stdout, r.stderr[-2000:]
+
+
+@pytest.mark.processes
+def test_the_quantized_hf_check_runs_as_documented_on_cpu(tmp_path):
+    """benchmarks/hf_quantized.py on CPU for the fp8-tiles and W4A16 stand-ins: each family's states
+    are the float32 reference's within bf16 rounding at every layer, and the JSON says so."""
+    from stand_ins import MissingTokenizer, family_tokenizer
+
+    try:
+        family_tokenizer("qwen3")
+    except MissingTokenizer as e:
+        if os.environ.get("CI"):
+            pytest.fail(f"{e} (`make test` fetches it)")
+        pytest.skip(str(e))
+    out = tmp_path / "q.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/hf_quantized.py"), "qwen3_fp8_blocks", "qwen3_w4a16", "--device", "cpu",
+           "--work", str(tmp_path / "w"), "--out", str(out)]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["failed"] == []
+    for fam in ("qwen3_fp8_blocks", "qwen3_w4a16"):
+        got = doc["phases"][fam]
+        errs = list(got["rel_rms_vs_fp32_cpu_per_layer"].values())
+        assert got["result"] == "passed" and got["hf_on"] == "cpu" and len(errs) == 4
+        assert 0.001 < min(errs) and max(errs) < 0.02  # bf16 rounding: above zero, below 2%
