@@ -33,6 +33,9 @@ the wall time the GPU had no kernel running. MFU = tokens/s x 2 x parameters / `
 Run (GPU host: host torch and transformers suffice; CPU: ``--tiny``, a test-sized shape)::
 
     python benchmarks/hf_backend_profile.py --out benchmarks/results/hf_backend_profile_h200.json --profile --compile --packed sdpa flex_attention
+    .venv/bin/python benchmarks/hf_backend_profile.py --tiny --samples 6 --min-len 40 --max-len 90 --batch-tokens 256 --profile --packed sdpa   # CPU
+
+On a CPU the kernel classes are empty (no device events) and MFU is against ``--peak-tflops``, a GPU's.
 """
 
 from __future__ import annotations

@@ -10,9 +10,11 @@ Per layer it reports the relative RMS error; a family passes below 2% (bf16 stor
 ~0.3%; a state one layer off is 65-133%). It needs torch, transformers, compressed-tensors and the
 family's tokenizer (``make resources/tokenizers/qwen3/tokenizer.json``), not vLLM.
 
-Run::
+An unknown family, or a missing tokenizer, stops it before the first check with exit status 2,
+naming what to do. Run (the workflow's environment, ``make setup`` or ``envs/gpu-host-setup.sh``)::
 
-    python benchmarks/hf_quantized.py qwen3_fp8_blocks qwen3_moe_w4a16 qwen3_w4a16 --out benchmarks/results/hf_quantized_h100.json
+    .venv/bin/python benchmarks/hf_quantized.py qwen3_fp8_blocks qwen3_moe_w4a16 qwen3_w4a16 --out benchmarks/results/hf_quantized_h100.json
+    .venv/bin/python benchmarks/hf_quantized.py qwen3_fp8_blocks --device cpu    # on a CPU
 """
 
 from __future__ import annotations
@@ -34,19 +36,34 @@ PROMPTS = ["What is 2 + 2?", "Name a colour.", "Write a haiku about rain."]
 LAYERS = [2, 4, 5, 8]
 
 
-def check_family(family: str, work: Path, device: str) -> dict:
+def write_stand_ins(families: list[str], work: Path) -> tuple[dict[str, Path], list[str]]:
+    """Each family's stand-in under ``work`` (before any phase), and what stops it: an unknown family
+    (with the known ones) or a missing tokenizer (with the command that fetches it)."""
+    from stand_ins import FAMILIES, MissingTokenizer, stand_in
+
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        return {}, [f"unknown family {', '.join(unknown)}: name one of {', '.join(FAMILIES)}"]
+    targets, problems = {}, []
+    for f in families:
+        try:
+            targets[f] = stand_in(f, work / f / "stand-in")
+        except MissingTokenizer as e:
+            problems.append(str(e))
+    return targets, problems
+
+
+def check_family(target: Path, device: str) -> dict:
     """The backend on ``device`` against the float32 CPU reference for one stand-in (see the module docstring)."""
     import numpy as np
     import torch
     from quant_support import dequantized_fp32
-    from stand_ins import stand_in
 
     from eagle3_pipeline.hf_backend import extract_hf, load_hf_target
     from eagle3_pipeline.shards import Sample
     from eagle3_pipeline.target_model import load_tokenizer
 
     t0 = time.perf_counter()
-    target = stand_in(family, work / family / "stand-in")
     tok = load_tokenizer(target)
     samples = []
     for i, q in enumerate(PROMPTS):
@@ -72,7 +89,7 @@ def check_family(family: str, work: Path, device: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("families", nargs="+")
+    ap.add_argument("families", nargs="+", help="stand-ins of tests/stand_ins.py (FAMILIES), e.g. qwen3_fp8_blocks qwen3_moe_w4a16")
     ap.add_argument("--device", default=None, help="default: cuda when a GPU is visible, else cpu")
     ap.add_argument("--work", default=None, help="where the stand-ins are written (default: a temporary folder)")
     ap.add_argument("--out", help="JSON to write")
@@ -92,9 +109,12 @@ def main() -> None:
             "transformers": __import__("transformers").__version__,
         },
     )
-    for family in args.families:
-        r = results.inline(family, check_family, family, work, device)
-        print(family, r, flush=True)
+    targets, problems = write_stand_ins(args.families, work)
+    phases.fail_fast(problems)
+    for family, target in targets.items():
+        r = results.inline(family, check_family, target, device)
+        if r is not None:
+            print(family, r, flush=True)
     failed = [f for f in args.families if (results.data["phases"].get(f) or {}).get("result") != "passed"]
     code = results.finish() or (1 if failed else 0)
     if tmp is not None:

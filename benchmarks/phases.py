@@ -56,7 +56,7 @@ MARKER_PREFIX = "EAGLE3_BENCH_PHASE_"
 #: How to install what a benchmark needs, for messages about a missing package.
 SETUP_HINT = (
     "on a GPU host: bash envs/gpu-host-setup.sh <wheelhouse> (the wheelhouse from `make wheelhouse` on a connected machine); "
-    "on a CPU machine: make setup"
+    "on a CPU machine: make setup; then run the script with .venv/bin/python"
 )
 #: Exit status of a phase stopped by its timeout (as coreutils' ``timeout``).
 TIMEOUT_STATUS = 124

@@ -426,3 +426,20 @@ def test_the_quantized_hf_check_runs_as_documented_on_cpu(tmp_path):
         errs = list(got["rel_rms_vs_fp32_cpu_per_layer"].values())
         assert got["result"] == "passed" and got["hf_on"] == "cpu" and len(errs) == 4
         assert min(errs) > 0.001 and max(errs) < 0.02  # bf16 rounding: above zero, below 2%
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["train_profile.py", "--configfile", "no-such.yaml"], "no-such.yaml does not exist: give the run's config files"),
+        (["hf_quantized.py", "qwen3_nope", "--device", "cpu"], "unknown family qwen3_nope: name one of qwen3, qwen3_moe"),
+    ],
+)
+def test_a_profile_script_given_a_bad_input_stops_before_its_first_phase_saying_what_to_do(tmp_path, args, says):
+    out = tmp_path / "x.json"
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / args[0]), *args[1:], "--out", str(out)], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 2 and "cannot start" in r.stderr and says in r.stderr, r.stderr[-2000:]
+    assert not out.exists()  # nothing ran
