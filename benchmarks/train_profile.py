@@ -126,22 +126,12 @@ def write_synthetic(kind: str, work: Path, seed: int = 0) -> dict:
 
 
 def synthetic_training(pack_tokens: int) -> dict:
-    """``vs_speculators.py``'s training settings (its ``train`` phase), validated with the schema's defaults."""
+    """``vs_speculators.py``'s training settings (its ``TRAINING``) with ``pack_tokens``, validated with the schema's defaults."""
+    from vs_speculators import TRAINING
+
     from eagle3_pipeline.config import validate_config
 
-    return validate_config(
-        {
-            "training": {
-                "epochs": 1,
-                "val_fraction": 0.05,
-                "pack_tokens": pack_tokens,
-                "log_every_steps": 1,
-                "checkpoint_every_steps": 0,
-                "optimizer": "adamw",
-                "lr": 1e-4,
-            }
-        }
-    )["training"]
+    return validate_config({"training": TRAINING | {"pack_tokens": pack_tokens}})["training"]
 
 
 def run_inputs(configfiles: list[str], overrides: list[str]) -> tuple[dict, list[str]]:

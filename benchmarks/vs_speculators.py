@@ -83,6 +83,16 @@ MAX_SEQ_LEN = 2048
 #: Every vLLM engine here runs eager (no torch.compile / CUDA graphs): starts in ~40 s instead
 #: of ~90 s; the same for all methods, so the ratios compare like with like.
 ENFORCE_EAGER = True
+#: train_drafter's settings in the ``train`` phase (and benchmarks/train_profile.py's ``--synthetic``)
+TRAINING = {
+    "epochs": 1,
+    "val_fraction": 0.05,
+    "pack_tokens": 8192,
+    "log_every_steps": 1,
+    "checkpoint_every_steps": 0,
+    "optimizer": "adamw",
+    "lr": 1e-4,
+}
 
 
 def _log(msg: str) -> None:
@@ -424,21 +434,7 @@ def train_ours(args) -> dict:
 
     work = Path(args.work)
     vocab = _vocab(work, args.draft_vocab)
-    cfg = validate_config(
-        {
-            "training": {
-                "epochs": 1,
-                "max_steps": args.steps or None,
-                "val_fraction": 0.05,
-                "pack_tokens": 8192,
-                "log_every_steps": 1,
-                "checkpoint_every_steps": 0,
-                "device": "cuda",
-                "optimizer": "adamw",
-                "lr": 1e-4,
-            }
-        }
-    )["training"]
+    cfg = validate_config({"training": TRAINING | {"max_steps": args.steps or None, "device": "cuda"}})["training"]
     out = work / "train-ours"
     shutil.rmtree(out, ignore_errors=True)
     t = time.perf_counter()
