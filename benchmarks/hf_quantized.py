@@ -7,7 +7,9 @@ prompts (plus 30 token ids each) are extracted at layers [2, 4, 5, 8]; the refer
 extraction from the float32 model of the dequantized checkpoint on CPU
 (``tests/quant_support.dequantized_fp32``, written independently of both backends' kernels).
 Per layer it reports the relative RMS error; a family passes below 2% (bf16 storage alone is
-~0.3%; a state one layer off is 65-133%). It needs torch, transformers, compressed-tensors and the
+~0.3%; a state one layer off is 65-133%), or below 10% where the scheme rounds activations to fp8
+(FP8 dynamic: 5.2-6.4% on an H100; ``tests/stand_ins.py``'s bounds and
+``rounds_activations_to_fp8`` own both). It needs torch, transformers, compressed-tensors and the
 family's tokenizer (``make resources/tokenizers/qwen3/tokenizer.json``), not vLLM.
 
 An unknown family, or a missing tokenizer, stops it before the first check with exit status 2,
@@ -53,11 +55,12 @@ def write_stand_ins(families: list[str], work: Path) -> tuple[dict[str, Path], l
     return targets, problems
 
 
-def check_family(target: Path, device: str) -> dict:
+def check_family(family: str, target: Path, device: str) -> dict:
     """The backend on ``device`` against the float32 CPU reference for one stand-in (see the module docstring)."""
     import numpy as np
     import torch
     from quant_support import dequantized_fp32
+    from stand_ins import BF16_STATE_BOUND, FP8_ACTIVATION_STATE_BOUND, rounds_activations_to_fp8
 
     from eagle3_pipeline.hf_backend import extract_hf, load_hf_target
     from eagle3_pipeline.shards import Sample
@@ -78,8 +81,10 @@ def check_family(target: Path, device: str) -> dict:
         torch.cuda.empty_cache()
     ref = torch.cat(extract_hf(dequantized_fp32(target), samples, LAYERS, batch_tokens=4096, storage_dtype=torch.float32))
     errs = [((got[:, k] - ref[:, k]).pow(2).mean().sqrt() / ref[:, k].pow(2).mean().sqrt()).item() for k in range(len(LAYERS))]
+    bound = FP8_ACTIVATION_STATE_BOUND if rounds_activations_to_fp8(family, "hf", on.startswith("cuda")) else BF16_STATE_BOUND
     return {
-        "result": "passed" if max(errs) < 0.02 else "failed",
+        "result": "passed" if max(errs) < bound else "failed",
+        "bound": bound,
         "hf_on": on,
         "rel_rms_vs_fp32_cpu_per_layer": {str(layer): round(e, 5) for layer, e in zip(LAYERS, errs, strict=True)},
         "tokens": int(got.shape[0]),
@@ -112,7 +117,7 @@ def main() -> None:
     targets, problems = write_stand_ins(args.families, work)
     phases.fail_fast(problems)
     for family, target in targets.items():
-        r = results.inline(family, check_family, target, device)
+        r = results.inline(family, check_family, family, target, device)
         if r is not None:
             print(family, r, flush=True)
     failed = [f for f in args.families if (results.data["phases"].get(f) or {}).get("result") != "passed"]

@@ -440,8 +440,9 @@ def kernel_classes(prof, wall_s: float) -> dict:
     Returns:
         ``{"device_seconds": {class: s}, "wall_seconds", "device_idle_share", "top_kernels"}``:
         classes ``matmul`` (GEMM kernels), ``attention``, ``memcpy_dtoh``, ``memcpy_htod`` and
-        ``other``, by kernel name, from the device's events only (an operator's CPU event
-        reports its kernels' time as well); the idle share is 1 - busy / wall (kernels of
+        ``other``, by kernel name, from the kernels' own device events only (an operator's CPU
+        event reports its kernels' time as well, a ``record_function`` range's device event the
+        span of its kernels); the idle share is 1 - busy / wall (kernels of
         several streams that overlap count twice, so it is a lower bound), ``None`` without
         device events.
     """
@@ -452,8 +453,11 @@ def kernel_classes(prof, wall_s: float) -> dict:
     for e in prof.key_averages():
         us = getattr(e, "self_device_time_total", 0) or 0
         # the kernels' own events only: an operator's (aten::mm, a CPU event) self device time
-        # is the time of the kernels it launched, which their events count already
-        if us <= 0 or e.device_type == DeviceType.CPU:
+        # is the time of the kernels it launched, which their events count already; and on a
+        # GPU each ``record_function`` range (``ProfilerStep*``, ``train_step/forward``, an
+        # optimizer's step) also appears as a device event spanning its kernels (a user
+        # annotation, which torch's own table leaves out of its device total too)
+        if us <= 0 or e.device_type == DeviceType.CPU or getattr(e, "is_user_annotation", False):
             continue
         name = e.key.lower()
         if "dtoh" in name or "device -> host" in name or "memcpy dtoh" in name:
@@ -475,6 +479,29 @@ def kernel_classes(prof, wall_s: float) -> dict:
         "device_idle_share": round(max(0.0, 1 - busy / wall_s), 3) if wall_s and busy else None,
         "top_kernels": [{"seconds": round(s, 4), "name": n, "calls": c} for s, n, c in sorted(top, reverse=True)[:15]],
     }
+
+
+def range_host_seconds(prof, labels: dict[str, str], per: int) -> dict[str, float]:
+    """Host wall seconds of ``record_function`` ranges of a finished ``torch.profiler`` run, per ``per``.
+
+    Args:
+        prof: the ``torch.profiler.profile`` (its ``key_averages()``).
+        labels: ``{part: range name}``, e.g. ``training.STEP_PHASES``.
+        per: what to divide by (the profiled steps).
+
+    Returns:
+        ``{part: seconds}`` (5 decimals) for each label the run recorded: the ranges' CPU events
+        (their ``cpu_time_total``); on a GPU the same name's device event (a user annotation,
+        with no CPU time) is not one of them.
+    """
+    from torch.autograd import DeviceType
+
+    parts = {label: part for part, label in labels.items()}
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.key in parts and e.device_type == DeviceType.CPU:
+            out[parts[e.key]] = out.get(parts[e.key], 0.0) + e.cpu_time_total / 1e6 / per
+    return {k: round(v, 5) for k, v in out.items()}
 
 
 @contextlib.contextmanager

@@ -202,11 +202,6 @@ def profile_training(inputs: dict, cfg: dict, skip: int, active: int, work: Path
         raise RuntimeError(f"training ended after {summary['steps']} steps, before the {active} profiled steps ended at step {steps}")
     first, last = skip + 1, steps  # the profiled steps are first+1 .. last
     wall = marks[last][0] - marks[first][0]
-    host = {}
-    for e in prof.key_averages():
-        for part, label in STEP_PHASES.items():
-            if e.key == label:
-                host[part] = round(e.cpu_time_total / 1e6 / active, 5)
     out = {
         "steps": summary["steps"],
         "profiled_steps": [first + 1, last],
@@ -218,7 +213,7 @@ def profile_training(inputs: dict, cfg: dict, skip: int, active: int, work: Path
         "unprofiled_tokens_per_second": round((marks[skip][1] - marks[skip // 2][1]) / (marks[skip][0] - marks[skip // 2][0]), 1)
         if skip >= 2
         else None,
-        "host_seconds_per_step": host,
+        "host_seconds_per_step": phases.range_host_seconds(prof, STEP_PHASES, active),
         "device": phases.kernel_classes(prof, wall),
         "summary": {k: v for k, v in summary.items() if not isinstance(v, list | dict)},
     }

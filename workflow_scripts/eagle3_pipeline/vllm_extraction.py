@@ -328,11 +328,12 @@ def extraction_max_model_len(target: str, max_seq_len: int, trust_remote_code: b
 
     Raises:
         InputError: ``max_seq_len`` exceeds the target's context length (generation under vLLM
-            refuses it too).
+            refuses it too), or vLLM cannot read the target's config
+            (:func:`eagle3_pipeline.engine.engine_model_config`).
     """
-    from vllm.config import ModelConfig
+    from .engine import engine_model_config
 
-    context = ModelConfig(model=target, trust_remote_code=trust_remote_code).max_model_len
+    context = engine_model_config(target, trust_remote_code).max_model_len
     if max_seq_len > context:
         raise InputError(
             f"max_seq_len {max_seq_len} exceeds the context length of {target} ({context} tokens, as vLLM derives it "
