@@ -89,11 +89,11 @@ def input_problems(cfg: dict, configfiles: list[str], drafter: str, extra: list[
     """What the rows need and the run lacks: its hidden-state and trace shards, its evaluation
     prompts, ``drafter``, the target and ``extra`` workflow outputs (the workflow's outputs named
     with the Snakemake command that makes them, other folders with what to give instead)."""
-    from eagle3_pipeline.layout import BUILTIN_TARGET_DIR, RunLayout
+    from eagle3_pipeline.layout import BUILTIN_TARGET_DIR, RunLayout, shard_ids
     from eagle3_pipeline.target_model import BUILTIN_TARGET
 
     layout = RunLayout(cfg["run"])
-    shards = [f"{i:05d}" for i in range(cfg["prompts"]["num_shards"])]
+    shards = shard_ids(cfg["prompts"]["num_shards"])
     outputs = [layout.hidden_states(s) for s in shards] + [layout.traces(s) for s in shards] + [layout.eval_prompts(), *extra]
     others = {}
     if Path(drafter) == (ROOT / layout.drafter()).resolve():

@@ -34,7 +34,7 @@ import phases  # noqa: E402
 
 from eagle3_pipeline.config import validate_config  # noqa: E402
 from eagle3_pipeline.hidden_states import run_extraction_shard  # noqa: E402
-from eagle3_pipeline.layout import RunLayout  # noqa: E402
+from eagle3_pipeline.layout import RunLayout, shard_ids  # noqa: E402
 from eagle3_pipeline.shards import ShardReader  # noqa: E402
 from eagle3_pipeline.training import train  # noqa: E402
 
@@ -107,7 +107,7 @@ def main() -> None:
     run = ROOT / "results" / args.run
     target = str(phases.embedded_target())
     layout = RunLayout(args.run)
-    shards = [f"{i:05d}" for i in range(cfg["prompts"]["num_shards"])]
+    shards = shard_ids(cfg["prompts"]["num_shards"])
     needed = [
         *(layout.traces(s) for s in shards),
         layout.vocab("d2t"),

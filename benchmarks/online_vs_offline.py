@@ -44,7 +44,7 @@ import phases  # noqa: E402
 
 from eagle3_pipeline.config import validate_config  # noqa: E402
 from eagle3_pipeline.io import read_json, read_jsonl  # noqa: E402
-from eagle3_pipeline.layout import BUILTIN_TARGET_DIR, RunLayout  # noqa: E402
+from eagle3_pipeline.layout import BUILTIN_TARGET_DIR, RunLayout, shard_ids  # noqa: E402
 from eagle3_pipeline.shards import ShardReader  # noqa: E402
 from eagle3_pipeline.training import split_items  # noqa: E402
 
@@ -82,7 +82,7 @@ def main() -> None:
     target = str(phases.embedded_target()) if builtin else cfg["target"]["path"]
     layout = RunLayout(cfg["run"])
     own_layout = layout.variant(args.variant) if args.variant else layout
-    shards = [f"{i:05d}" for i in range(cfg["prompts"]["num_shards"])]
+    shards = shard_ids(cfg["prompts"]["num_shards"])
     needed = [own_layout.acceptance(), *(layout.hidden_states(s) for s in shards), *(layout.prompt_shard(s) for s in shards)]
     needed += [] if args.variant else [layout.drafter()]  # a variant's drafter is named in its acceptance.json
     problems = phases.missing_run_outputs(needed + ([BUILTIN_TARGET_DIR] if builtin else []), [args.configfile])

@@ -181,10 +181,10 @@ def input_problems(cfg: dict, configfiles: list[str], stage: str) -> list[str]:
     vocab, and for the rows the files drafter_gap.py reads (:func:`drafter_gap.input_problems`)."""
     from drafter_gap import input_problems as rows_problems
 
-    from eagle3_pipeline.layout import RunLayout
+    from eagle3_pipeline.layout import RunLayout, shard_ids
 
     layout = RunLayout(cfg["run"])
-    shards = [layout.hidden_states(f"{i:05d}") for i in range(cfg["prompts"]["num_shards"])]
+    shards = [layout.hidden_states(s) for s in shard_ids(cfg["prompts"]["num_shards"])]
     vocab = [layout.vocab("d2t"), layout.vocab("t2d")]
     out = phases.missing_packages(["datasets", "speculators", *(["vllm"] if stage in ("rows", "all") else [])])
     out += phases.no_cuda() if stage in ("train", "all") else []

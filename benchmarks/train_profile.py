@@ -138,11 +138,11 @@ def run_inputs(configfiles: list[str], overrides: list[str]) -> tuple[dict, list
     """A finished run's training inputs from its config (the run's layout), and what is missing."""
     from drafter_gap import load_config, target_dir
 
-    from eagle3_pipeline.layout import RunLayout
+    from eagle3_pipeline.layout import RunLayout, shard_ids
 
     cfg = load_config(configfiles, overrides)
     layout = RunLayout(cfg["run"])
-    shards = [layout.hidden_states(f"{i:05d}") for i in range(cfg["prompts"]["num_shards"])]
+    shards = [layout.hidden_states(s) for s in shard_ids(cfg["prompts"]["num_shards"])]
     vocab = [layout.vocab("d2t"), layout.vocab("t2d")]
     missing = phases.missing_run_outputs([*shards, *vocab], configfiles)
     inputs = {

@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(workflow.basedir) / "workflow_scripts"))
 
 from eagle3_pipeline import config as settings
 from eagle3_pipeline import sweep, target_model
-from eagle3_pipeline.layout import BUILTIN_TARGET_DIR, RunLayout
+from eagle3_pipeline.layout import BUILTIN_TARGET_DIR, RunLayout, shard_ids
 from eagle3_pipeline.lineage import external_sources, lineage_terminals
 from eagle3_pipeline.prompts import sources_digest
 from eagle3_pipeline.snakemake_adapter import lineage_jobs, workflow_errors
@@ -32,7 +32,7 @@ workflow.global_resources.setdefault("full_model", 1)
 RUN = config["run"]
 # every path under results/<run>/ and logs/<run>/ (eagle3_pipeline/layout.py)
 layout = RunLayout(RUN)
-SHARDS = [f"{i:05d}" for i in range(config["prompts"]["num_shards"])]
+SHARDS = shard_ids(config["prompts"]["num_shards"])
 # every shard's files, for the rules that read them all
 TRACE_SHARDS = [layout.traces(s) for s in SHARDS]
 TRACE_SUMMARIES = [layout.trace_summary(s) for s in SHARDS]

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3_pipeline.layout import BUILTIN_TARGET_DIR, RunLayout, index_beside, pids_of, rejects_beside, summary_beside
+from eagle3_pipeline.layout import BUILTIN_TARGET_DIR, RunLayout, index_beside, pids_of, rejects_beside, shard_ids, summary_beside
 
 # The files of a finished reduced run with sweep variants (.test/config.yaml, run "e2e"; variants
 # ttt1 with a training of its own and vocab8k with a vocab of its own), as the workflow wrote
@@ -128,6 +128,13 @@ def test_wildcards_pass_through_as_patterns_snakemake_matches():
     assert v.vocab("d2t") == "results/default/sweep/{variant}/vocab/d2t.npy"
     assert v.log("evaluate_drafter") == "logs/default/sweep/{variant}/evaluate_drafter.log"
     assert v.benchmark("train_drafter") == "logs/default/benchmarks/sweep/{variant}/train_drafter.tsv"
+
+
+def test_shard_ids_name_every_shard_in_order_as_the_finished_run_does():
+    assert shard_ids(3) == ["00000", "00001", "00002"] and shard_ids(0) == []
+    ids = shard_ids(1000)
+    assert ids[-1] == "00999" and ids == sorted(ids) and len(set(ids)) == 1000
+    assert RunLayout("e2e").traces(shard_ids(1)[0]) == "results/e2e/traces/shard-00000.jsonl"  # a finished run's name
 
 
 def test_run_state_paths():

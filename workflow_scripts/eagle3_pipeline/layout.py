@@ -26,6 +26,12 @@ CHECKPOINT_DIR = ".checkpoint"
 PIDS_DIR = ".pids"
 
 
+def shard_ids(num_shards: int) -> list[str]:
+    """The run's shard ids (the ``{shard}`` wildcard's values): ``00000`` .. ``num_shards - 1``,
+    zero-padded to five digits, for ``prompts.num_shards`` shards."""
+    return [f"{i:05d}" for i in range(num_shards)]
+
+
 def shard_name(shard: str) -> str:
     """``shard-<shard>``: the stem of every per-shard file (``shard`` is ``NNNNN`` or a wildcard pattern)."""
     return f"shard-{shard}"
