@@ -107,7 +107,10 @@ def check_eagle3_target(target_path: str, trust_remote_code: bool = False) -> st
 def engine_model_config(target_path: str, trust_remote_code: bool = False):
     """vLLM's model config (``vllm.config.ModelConfig``) of the target, as its engine builds it at start.
 
-    Read from config.json and the tokenizer, without weights (0.02 s on CPU).
+    Read from config.json and the tokenizer, without weights (0.02 s on CPU). vLLM builds it in its
+    front-end process too, and its CUDA platform reads the devices through NVML, which starts no
+    CUDA context (``vllm/platforms/cuda.py``): callers that set ``CUDA_VISIBLE_DEVICES`` later
+    (:func:`eagle3_pipeline.parallel.run_replicas`) may call it first.
 
     Returns:
         the ``ModelConfig`` (its ``max_model_len`` is the context length vLLM derives).
