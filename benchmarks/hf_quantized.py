@@ -103,6 +103,7 @@ def main() -> None:
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    phases.fail_fast(phases.device_problems(device) + phases.unwritable([args.out], [args.work]))
     tmp = tempfile.TemporaryDirectory(prefix="hf-quantized-") if args.work is None else None
     work = Path(args.work or tmp.name)
     results = phases.Results(

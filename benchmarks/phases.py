@@ -270,6 +270,7 @@ class Results:
         self.path = Path(path) if path else None
         self.data = dict(data or {})
         self.data.setdefault("failed", [])
+        self._errors: dict[str, str] = {}  # this process's failures: label -> error, for finish()
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Results:
@@ -310,6 +311,7 @@ class Results:
         label = name if section in (None, "phases") else f"{section}/{name}"
         if label not in self.failed:
             self.failed.append(label)
+        self._errors[label] = error
         self.save()
         return entry
 
@@ -339,7 +341,8 @@ class Results:
         if not self.failed:
             return 0
         where = f"; errors and logs in {self.path}" if self.path else ""
-        print(f"failed: {', '.join(self.failed)}{where}", file=sys.stderr, flush=True)
+        lines = [f"  {label}: {self._errors[label][:300]}" for label in self.failed if label in self._errors]
+        print("\n".join([f"failed: {', '.join(self.failed)}{where}", *lines]), file=sys.stderr, flush=True)
         return 1
 
 
@@ -363,6 +366,39 @@ def no_cuda() -> list[str]:
     import torch
 
     return [] if torch.cuda.is_available() else ["no CUDA GPU visible to torch: this benchmark runs on a GPU host"]
+
+
+def unwritable(files: Sequence[str | os.PathLike | None] = (), dirs: Sequence[str | os.PathLike | None] = ()) -> list[str]:
+    """A problem line for each file or folder (``None`` skipped) the script could not write: a part of
+    its path that is a file, a folder it may not write in, or (for ``dirs``) a file where the folder
+    would be. Missing folders are fine: the scripts create them."""
+    out = []
+    for p, is_dir in [(f, False) for f in files if f is not None] + [(d, True) for d in dirs if d is not None]:
+        path = Path(p).absolute()
+        if path.exists() and path.is_dir() != is_dir:
+            out.append(f"{p} is a {'file' if is_dir else 'folder'}; give a {'folder' if is_dir else 'file'} path")
+            continue
+        parent = next(a for a in path.parents if a.exists())
+        if not parent.is_dir():
+            out.append(f"{p}: {parent} is a file, not a folder; give another path")
+        elif not os.access(parent, os.W_OK):
+            out.append(f"{p}: {parent} is not writable; give another path")
+    return out
+
+
+def device_problems(device: str) -> list[str]:
+    """A problem line when torch cannot use ``device`` (``cpu``, ``cuda``, ``cuda:1``, ...) here."""
+    import torch
+
+    try:
+        d = torch.device(device)
+    except RuntimeError as e:
+        return [f"--device {device}: {str(e).splitlines()[0]}"]
+    if d.type == "cuda" and (not torch.cuda.is_available() or (d.index or 0) >= torch.cuda.device_count()):
+        return [
+            f"--device {device}: torch sees {torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA GPU(s) here; use --device cpu"
+        ]
+    return []
 
 
 def fail_fast(problems: Sequence[str]) -> None:

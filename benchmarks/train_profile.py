@@ -231,7 +231,12 @@ def main() -> None:
     ap.add_argument("--work", default=None, help="a folder for the synthetic inputs and the drafter (default: a temporary one)")
     ap.add_argument("--out", help="JSON to write")
     args = ap.parse_args()
-    phases.fail_fast(phases.missing_packages(["speculators", *(["snakemake"] if args.configfile else [])]))
+    phases.fail_fast(
+        phases.missing_packages(["speculators", *(["snakemake"] if args.configfile else [])])
+        + phases.unwritable([args.out], [args.work])
+        + ([f"--skip {args.skip}: give 0 or more steps"] if args.skip < 0 else [])
+        + ([f"--active {args.active}: give 1 or more steps to profile"] if args.active < 1 else [])
+    )
     tmp = tempfile.TemporaryDirectory(prefix="train-profile-") if args.work is None else None
     work = Path(args.work or tmp.name)
     work.mkdir(parents=True, exist_ok=True)
@@ -249,7 +254,7 @@ def main() -> None:
         cfg, seed = synthetic_training(inputs["pack_tokens"]), 0
     results.inline("profile", profile_training, inputs, cfg, args.skip, args.active, work / "train", seed, section=None)
     doc = results.data.get("profile") or {}
-    if doc:
+    if "seconds_per_step" in doc:  # else the phase failed: finish() names it and its error
         print(f"{doc.get('tokens_per_second')} tok/s, {doc['seconds_per_step']} s/step; host per step: {doc['host_seconds_per_step']}")
         if doc["device"]["device_idle_share"] is not None:  # a GPU's kernels (none on a CPU)
             print(f"device: {doc['device']['device_seconds']}, idle {doc['device']['device_idle_share']}")

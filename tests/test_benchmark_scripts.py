@@ -384,6 +384,28 @@ def test_kernel_classes_count_each_kernel_once_not_again_under_the_operator_that
     assert [k["name"] for k in got["top_kernels"]][:2] == ["sm90_xmma_gemm_bf16bf16_bf16f32", "flash_fwd_kernel"]
 
 
+def test_paths_and_devices_a_script_cannot_use_are_named_before_its_first_phase(tmp_path):
+    """Found by trying: an --out under a file, or --device nonsense, failed only after the first
+    phase's work (its result lost); these checks run before it."""
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "adir").mkdir()
+    got = phases.unwritable(
+        [tmp_path / "afile" / "x.json", tmp_path / "adir", tmp_path / "new" / "deeper" / "x.json", None], [tmp_path / "afile"]
+    )
+    assert got == [
+        f"{tmp_path / 'afile' / 'x.json'}: {tmp_path / 'afile'} is a file, not a folder; give another path",
+        f"{tmp_path / 'adir'} is a folder; give a file path",
+        f"{tmp_path / 'afile'} is a file; give a folder path",
+    ]
+    assert phases.unwritable([tmp_path / "ok.json"], [tmp_path / "w" / "x"]) == []
+    assert phases.device_problems("cpu") == []
+    assert phases.device_problems("nonsense")[0].startswith("--device nonsense: Expected one of cpu, cuda")
+    import torch
+
+    if not torch.cuda.is_available():
+        assert phases.device_problems("cuda:0") == ["--device cuda:0: torch sees no CUDA GPU(s) here; use --device cpu"]
+
+
 def test_range_host_seconds_reads_the_ranges_cpu_events_not_their_device_twins():
     """On a GPU a record_function range is two averaged events of one name: the CPU one with the
     host time, and a device annotation with none; an H100 profile reported 0.0 s for forward,
@@ -467,6 +489,8 @@ def test_the_quantized_hf_check_runs_as_documented_on_cpu(tmp_path):
     [
         (["train_profile.py", "--configfile", "no-such.yaml"], "no-such.yaml does not exist: give the run's config files"),
         (["hf_quantized.py", "qwen3_nope", "--device", "cpu"], "unknown family qwen3_nope: name one of qwen3, qwen3_moe"),
+        (["hf_quantized.py", "qwen3_fp8", "--device", "nonsense"], "--device nonsense: Expected one of cpu, cuda"),
+        (["train_profile.py", "--synthetic", "tiny", "--skip", "2", "--active", "0"], "--active 0: give 1 or more steps to profile"),
     ],
 )
 def test_a_profile_script_given_a_bad_input_stops_before_its_first_phase_saying_what_to_do(tmp_path, args, says):

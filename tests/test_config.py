@@ -247,6 +247,32 @@ def test_the_configured_target_directory_identity_and_shape(tmp_path):
     assert init_drafter_identity(str(drafter)) == quick_identity(drafter)
 
 
+@pytest.mark.parametrize(
+    ("config_json", "expected"),
+    [
+        ('{"num_hidden_layers": 4,', r"config\.json \(line 1, column 25\): not valid JSON"),
+        ("[4, 1000]", r"config\.json: holds a JSON list, not an object"),
+        ('{"num_hidden_layers": "4", "vocab_size": 1000}', r"config\.json: num_hidden_layers is '4', not a positive integer"),
+        ('{"num_hidden_layers": 4, "vocab_size": 0}', r"config\.json: vocab_size is 0, not a positive integer"),
+        ('{"num_hidden_layers": 4}', r"config\.json has no vocab_size"),
+    ],
+)
+def test_a_target_config_json_the_dag_cannot_read_is_an_error_naming_the_file(tmp_path, config_json, expected):
+    """The shape checks read config.json as plain JSON when the DAG is built: a malformed or mistyped
+    one was a raw JSONDecodeError or ValueError from rules/common.smk (found by editing the file)."""
+    from eagle3_pipeline.io import InputError
+    from eagle3_pipeline.target_model import configured_target_model_type, configured_target_shape
+
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 4, "vocab_size": 1000, "text_config": "x", "model_type": "llama"}')
+    assert configured_target_shape(str(tmp_path)) == (4, 1000) and configured_target_model_type(str(tmp_path)) == "llama"
+    (tmp_path / "config.json").write_text(config_json)
+    with pytest.raises(InputError, match=expected) as e:
+        configured_target_shape(str(tmp_path))
+    assert str(tmp_path) in str(e.value)
+
+
 def test_command_line_strings_become_the_schema_types_in_lists_too():
     """`--config` hands every nested scalar over as a string, list items included."""
     cfg = validate_config(

@@ -1,5 +1,6 @@
 """Prompt rendering, reasoning split, spec-decode counter parsing and decoding throughput (no engine needed)."""
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -392,6 +393,67 @@ def test_the_family_table_of_eagle3_support(tmp_path, model_type, architecture, 
     else:
         with pytest.raises(InputError, match=rf"{architecture} has no EAGLE-3 support"):
             check_eagle3_target(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("case", "edit", "max_seq_len", "expected"),
+    [
+        ("a string for an int", {"hidden_size": "64"}, None, r"config\.json: transformers .* Field 'hidden_size' expected int, got str"),
+        (
+            "heads that do not divide",
+            {"num_attention_heads": 7},
+            None,
+            r"config\.json: transformers .*not a multiple of the number of attention heads",
+        ),
+        ("no heads", {"num_attention_heads": 0}, None, r"config\.json: transformers .*ZeroDivisionError"),
+        ("a dtype torch lacks", {"torch_dtype": "float7", "dtype": "float7"}, None, r"config\.json: transformers .*float7"),
+        (
+            "a context below max_seq_len",
+            {"max_position_embeddings": 512},
+            2048,
+            r"max_seq_len 2048 exceeds the context length of .* \(512 tokens",
+        ),
+        (
+            "a zero context",
+            {"max_position_embeddings": 0},
+            None,
+            r"cannot build its model config for LlamaForCausalLM .*max_model_len must be a positive integer",
+        ),
+        (
+            "architectures as a string",
+            {"architectures": "LlamaForCausalLM"},
+            None,
+            r"cannot build its model config for LlamaForCausalLM .*valid list",
+        ),
+        ("an unknown architecture first", {"architectures": ["FooForCausalLM", "LlamaForCausalLM"]}, None, None),
+        ("not JSON", "{'hidden_size': 64", None, r"config\.json \(line 1, column 2\): not valid JSON"),
+        ("a JSON list", "[1, 2]", None, r"config\.json: holds a JSON list, not an object"),
+    ],
+)
+def test_an_edited_target_config_is_refused_naming_the_file_and_value(tmp_path, case, edit, max_seq_len, expected):
+    """Values transformers or vLLM reject, found by trying edited config.json files: each was a raw
+    traceback at generation's engine start, or (a short context) accepted by the check first. vLLM
+    picks the first architecture it knows, and so does the check."""
+    from transformers import AutoConfig
+
+    from eagle3_pipeline.engine import check_eagle3_target
+    from eagle3_pipeline.io import InputError
+
+    cfg = AutoConfig.for_model(
+        "llama", hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
+        vocab_size=1000, max_position_embeddings=4096,
+    )  # fmt: skip
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    assert check_eagle3_target(str(tmp_path), max_seq_len=4096) == "LlamaForCausalLM"
+    f = tmp_path / "config.json"
+    f.write_text(edit if isinstance(edit, str) else json.dumps(json.loads(f.read_text()) | edit))
+    if expected is None:
+        assert check_eagle3_target(str(tmp_path), max_seq_len=max_seq_len) == "LlamaForCausalLM"
+        return
+    with pytest.raises(InputError, match=expected) as e:
+        check_eagle3_target(str(tmp_path), max_seq_len=max_seq_len)
+    assert str(tmp_path) in str(e.value)
 
 
 def test_a_target_config_the_engine_cannot_read_is_refused_before_any_engine(tmp_path, monkeypatch):

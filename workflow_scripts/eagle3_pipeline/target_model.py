@@ -194,20 +194,45 @@ BUILTIN_CONFIG = {"num_hidden_layers": 30, "vocab_size": 49152, "hidden_size": 5
 BUILTIN_SHAPE = (BUILTIN_CONFIG["num_hidden_layers"], BUILTIN_CONFIG["vocab_size"])
 
 
+def read_config_json(path: str | os.PathLike) -> dict:
+    """A model folder's ``config.json`` as a dict, read as plain JSON (no transformers import).
+
+    Raises:
+        InputError: it is missing or unreadable, is not valid JSON (the line and column named),
+            or is not a JSON object.
+    """
+    f = Path(path) / "config.json"
+    try:
+        cfg = json.loads(f.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise InputError(f"{f}: cannot read it ({e.strerror or e}); a model folder needs its config.json") from None
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+        where = f" (line {e.lineno}, column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
+        raise InputError(f"{f}{where}: not valid JSON: {getattr(e, 'msg', e)}; fix or replace the file") from None
+    if not isinstance(cfg, dict):
+        raise InputError(f"{f}: holds a JSON {type(cfg).__name__}, not an object of the model's settings")
+    return cfg
+
+
 def target_shape(path: str | os.PathLike) -> tuple[int, int]:
     """``(num_hidden_layers, vocab_size)`` read from ``config.json`` (``text_config`` if nested).
 
     Plain JSON, no transformers import: cheap enough for DAG-time config checks.
 
     Raises:
-        InputError: the keys are missing.
+        InputError: as :func:`read_config_json`, or the keys are missing or not positive integers.
     """
-    cfg = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
-    cfg = cfg.get("text_config", cfg)
-    try:
-        return int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
-    except KeyError as e:
-        raise InputError(f"{path}/config.json has no {e.args[0]}") from e
+    cfg = read_config_json(path)
+    cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    shape = []
+    for key in ("num_hidden_layers", "vocab_size"):
+        if key not in cfg:
+            raise InputError(f"{path}/config.json has no {key}")
+        value = cfg[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise InputError(f"{path}/config.json: {key} is {value!r}, not a positive integer")
+        shape.append(value)
+    return shape[0], shape[1]
 
 
 def configured_target_dir(target_path: str) -> str:
@@ -256,12 +281,13 @@ def configured_target_model_type(target_path: str) -> str | None:
     ``"llama"`` for the embedded target.
 
     Raises:
-        InputError: as :func:`configured_target_dir`.
+        InputError: as :func:`configured_target_dir` and :func:`read_config_json`.
     """
     if target_path == BUILTIN_TARGET:
         return "llama"
-    cfg = json.loads((Path(configured_target_dir(target_path)) / "config.json").read_text(encoding="utf-8"))
-    return cfg.get("text_config", {}).get("model_type") or cfg.get("model_type")
+    cfg = read_config_json(configured_target_dir(target_path))
+    text = cfg.get("text_config")
+    return (text.get("model_type") if isinstance(text, dict) else None) or cfg.get("model_type")
 
 
 def init_drafter_identity(drafter_path: str | None) -> str | None:

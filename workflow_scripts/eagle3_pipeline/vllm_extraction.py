@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from .io import InputError, atomic_path, write_text_atomic
+from .io import atomic_path, write_text_atomic
 from .layout import pids_of
 
 logger = logging.getLogger(__name__)
@@ -329,16 +329,11 @@ def extraction_max_model_len(target: str, max_seq_len: int, trust_remote_code: b
     Raises:
         InputError: ``max_seq_len`` exceeds the target's context length (generation under vLLM
             refuses it too), or vLLM cannot read the target's config
-            (:func:`eagle3_pipeline.engine.engine_model_config`).
+            (:func:`eagle3_pipeline.engine.target_context`).
     """
-    from .engine import engine_model_config
+    from .engine import target_context
 
-    context = engine_model_config(target, trust_remote_code).max_model_len
-    if max_seq_len > context:
-        raise InputError(
-            f"max_seq_len {max_seq_len} exceeds the context length of {target} ({context} tokens, as vLLM derives it "
-            f"from its config.json and tokenizer): set max_seq_len to {context} or less"
-        )
+    context = target_context(target, trust_remote_code, max_seq_len)
     return max_seq_len + 1, max_seq_len == context
 
 
