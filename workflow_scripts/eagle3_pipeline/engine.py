@@ -6,11 +6,9 @@ engine under ``if __name__ == "__main__":`` (rule scripts do).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 from .precision import resolve_dtype
@@ -162,14 +160,12 @@ def engine_model_config(target_path: str, trust_remote_code: bool = False):
     from vllm.config import ModelConfig
 
     from .io import InputError
+    from .target_model import read_config_json
 
     try:
         return ModelConfig(model=target_path, trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - any failure here is the engine's own failure at its start
-        try:
-            declared = json.loads((Path(target_path) / "config.json").read_text()).get("architectures") or "?"
-        except (OSError, ValueError, AttributeError):
-            declared = "?"
+        declared = read_config_json(target_path).get("architectures") or "?"
         architecture = declared if isinstance(declared, str) else str(declared[0])
         hint = ""
         if type(e).__name__ == "AmbiguousGlobalPerLayerAttributeError":
