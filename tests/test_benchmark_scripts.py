@@ -160,6 +160,43 @@ def test_all_hands_every_option_to_its_phases_the_tokenizer_included(tmp_path):
     assert {k: v for k, v in vars(phase).items() if k not in vs_speculators.NOT_FORWARDED} == same
 
 
+#: Logs step records as ``speculators train`` 0.9 does (its own logging setup and its trainer's record), one
+#: step per (tokens, seconds) in argv[1] (JSON), to stdout as in a phase's log.
+SPECULATORS_STEP_LOG = """
+import json, logging, sys
+from speculators.train.logger import setup_metric_logger, setup_root_logger
+setup_root_logger()
+setup_metric_logger([], "run", sys.argv[2])
+log = logging.getLogger("speculators.metrics")
+for step, (tokens, seconds) in enumerate(json.loads(sys.argv[1])):
+    profile = {"fetch_ms": 0.4, "fwd_ms": 1.0, "step_ms": seconds * 1000, "tokens_per_s": tokens / seconds, "memory_mb": {"start": 1.0}}
+    log.info({"train": {"loss": 3.2, "full_acc_0": 0.1}, "profile": profile, "epoch": 0, "lr": 1e-4, "global_step": step}, extra={"step": step})
+logging.getLogger("speculators").info("Updated checkpoint_best -> 0 (loss_epoch=3.377105)")
+"""
+
+
+@pytest.mark.processes
+def test_the_steady_rate_of_speculators_train_is_read_from_its_own_log_records(tmp_path):
+    """The log is written by speculators' own logging setup (as ``train_speculators`` runs it, COLUMNS=1000),
+    and the rate is checked against the steps' tokens and seconds: an H100 run's parser found no step
+    in such a log (it looked for ``profile.step_ms``; speculators 0.9 prints ``profile/step_ms=1.23e+03``)."""
+    steps = [(7000 + 37 * i, 5.0 if i == 0 else 0.1 + 0.003 * (i % 7)) for i in range(40)]
+    run = subprocess.run(
+        [sys.executable, "-c", SPECULATORS_STEP_LOG, json.dumps(steps), str(tmp_path)],
+        capture_output=True, text=True, env=os.environ | {"COLUMNS": "1000"}, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    got = vs_speculators._speculators_steady(run.stdout + run.stderr)
+    rest = steps[4:]  # the first 10% of the steps are warm-up, as in train_drafter's figure
+    expected = sum(t for t, _ in rest) / sum(s for _, s in rest)
+    assert got["steps_logged"] == 40
+    assert got["warmup_seconds"] == pytest.approx(sum(s for _, s in steps[:4]), rel=0.01)
+    # the log prints 3 significant digits of each step's milliseconds and tokens/s
+    assert got["steady_tokens_per_second"] == pytest.approx(expected, rel=0.01)
+    assert got["tokens_seen"] == pytest.approx(sum(t for t, _ in steps), rel=0.01)
+    assert vs_speculators._speculators_steady("train: 100%|#####| 53/53\nINFO Updated checkpoint_best") == {"steps_logged": 0}
+
+
 def _fake_phases(monkeypatch, tmp_path) -> Path:
     """vs_speculators' phases replaced by a script that records the options it was given; ``target`` leaves a
     sleeper on its output (pid in ``tmp_path/pid``) and fails. No package or GPU check (a CPU machine)."""
@@ -289,6 +326,29 @@ def test_the_hashing_benchmark_runs_as_documented_and_its_two_ways_agree(tmp_pat
     assert doc["failed"] == [] and doc["summary"]["digests_equal"] is True
     assert set(doc["phases"]) == {"after_0", "while_0"}
     assert abs(doc["summary"]["bytes"] - 0.125 * 2**30) <= 1000 * 4 * 4096 * 2  # within one sample: 1,000 tokens x 4 layers x 4,096 x bf16
+    assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.processes
+def test_the_writer_benchmark_runs_as_documented_and_fills_the_shard_it_times(tmp_path):
+    """benchmarks/writer_throughput.py with 2 requests: every step timed, each thread count's rounds ran
+    (a round that left its chunk unfinished fails the phase), and the GB/s are the requests' bytes over
+    positive times."""
+    out = tmp_path / "w.json"
+    argv = ["--requests", "2", "--threads", "1", "2", "--repeats", "2", "--rounds", "2", "--out", str(out), "--work", str(tmp_path / "w")]
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/writer_throughput.py"), *argv], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["failed"] == [] and set(doc["phases"]) == {"parts", "filler_1", "filler_2"}
+    parts = doc["phases"]["parts"]
+    assert parts["request_bytes"] == 1000 * 4 * 4096 * 2  # 1,000 tokens x 4 layers x 4,096 x bf16
+    for step in ("index_select", "isfinite_all (before)", "all_finite (now)", "write_states"):
+        assert parts[step]["ms_per_request"] > 0
+        assert parts[step]["gbps"] == pytest.approx(parts["request_bytes"] / parts[step]["ms_per_request"] / 1e6, rel=0.02)
+    for n in (1, 2):
+        f = doc["phases"][f"filler_{n}"]
+        assert f["threads"] == n and len(f["round_gbps"]) == 2 and f["gbps"] > 0
+        assert f["vs_prefill"] == pytest.approx(f["gbps"] / 1.42, abs=0.01)
     assert not (tmp_path / "w").exists()
 
 
@@ -491,6 +551,7 @@ def test_the_quantized_hf_check_runs_as_documented_on_cpu(tmp_path):
         (["hf_quantized.py", "qwen3_nope", "--device", "cpu"], "unknown family qwen3_nope: name one of qwen3, qwen3_moe"),
         (["hf_quantized.py", "qwen3_fp8", "--device", "nonsense"], "--device nonsense: Expected one of cpu, cuda"),
         (["train_profile.py", "--synthetic", "tiny", "--skip", "2", "--active", "0"], "--active 0: give 1 or more steps to profile"),
+        (["writer_throughput.py", "--threads", "1", "0"], "--requests, --threads, --repeats and --rounds must be at least 1"),
     ],
 )
 def test_a_profile_script_given_a_bad_input_stops_before_its_first_phase_saying_what_to_do(tmp_path, args, says):

@@ -107,6 +107,22 @@ def test_filler_rejects_nan_states_naming_the_sample(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_all_finite_agrees_with_isfinite_wherever_a_nan_or_inf_lies(dtype):
+    from eagle3_pipeline.vllm_extraction import all_finite
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(37, 3, 64, generator=g) * 1e3).to(dtype)
+    assert all_finite(x) and all_finite(x[:0]) and torch.isfinite(x).all()
+    big = torch.full((5, 3, 64), torch.finfo(dtype).max, dtype=dtype)
+    assert all_finite(big) and all_finite(-big)  # the largest finite values are finite
+    for flat in [0, 1234, x.numel() - 1, *torch.randint(0, x.numel(), (5,), generator=g).tolist()]:
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            y = x.clone()
+            y.view(-1)[flat] = bad
+            assert not all_finite(y) and not torch.isfinite(y).all(), (flat, bad)
+
+
 def test_wait_for_chunks_times_out_naming_a_missing_chunk(tmp_path):
     with pytest.raises(RuntimeError, match="1 chunk.*not written after 0 s.*chunk-x"):
         wait_for_chunks([tmp_path / "chunk-x"], timeout_s=0.2)

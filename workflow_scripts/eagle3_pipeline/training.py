@@ -731,6 +731,10 @@ def train(
 
     Returns:
         a summary dict (steps, tokens seen, tokens/s, final validation metrics, ``fingerprint``).
+        ``tokens_per_second`` is over this run's whole training loop (validation and
+        checkpoints included); ``steady_tokens_per_second`` over the optimizer steps after the
+        first 10% of this run's (compilation happens there), without the ``validation_seconds``
+        and ``checkpoint_seconds`` spent between them.
 
     Raises:
         InputError: shards disagree on layer ids, ``cfg["aux_layer_ids"]`` are not stored
@@ -874,6 +878,22 @@ def train(
     # the attention kernels and first allocations happen there) to the end.
     warm_step = step + max(1, (total_steps - step) // 10)
     warm_mark: tuple[float, int] | None = None
+    # Seconds outside the optimizer steps (validation, checkpoints), in all and after warm_mark:
+    # the steady rate is the steps' own, as speculators' per-step ``step_ms`` is (the 8B shape's
+    # figure of benchmarks/vs_speculators.py counted its epoch's validation pass in).
+    off_steps = {"validation": 0.0, "checkpoints": 0.0, "after_warm_up": 0.0}
+
+    @contextlib.contextmanager
+    def outside_steps(kind: str):
+        t0 = timer.seconds
+        try:
+            yield
+        finally:
+            dt = timer.seconds - t0
+            off_steps[kind] += dt
+            if warm_mark is not None:
+                off_steps["after_warm_up"] += dt
+
     last_train: dict = next((x for x in reversed(lines) if x["split"] == "train"), {})
     val_metrics: dict = next((x for x in reversed(lines) if x["split"] == "val"), {})
     last_train = {k: v for k, v in last_train.items() if k not in ("split", "step", "epoch", "tokens", "seconds", "lr")}
@@ -987,16 +1007,20 @@ def train(
             if step == warm_step:
                 warm_mark = (timer.seconds, tokens_seen)
             if every and step % every == 0 and step < total_steps and si + 1 < epoch_steps:
-                snapshot(epoch, si + 1)
+                with outside_steps("checkpoints"):
+                    snapshot(epoch, si + 1)
         mine = None  # ends the epoch's loader workers
         if val_loader is not None:
-            val_metrics = evaluate_offline(eval_model, val_loader, call_kwargs, device, autocast, d2t)
+            with outside_steps("validation"):
+                val_metrics = evaluate_offline(eval_model, val_loader, call_kwargs, device, autocast, d2t)
             lines.append({"split": "val", "step": step, "epoch": epoch, **val_metrics})
             logger.info("epoch %d validation: %s", epoch, {k: round(v, 4) for k, v in val_metrics.items()})
         if step < total_steps:
-            snapshot(epoch + 1, 0)
+            with outside_steps("checkpoints"):
+                snapshot(epoch + 1, 0)
     bar.close()
     train_seconds = timer.seconds
+    steady_seconds = train_seconds - warm_mark[0] - off_steps["after_warm_up"] if warm_mark else 0.0
 
     save_dtype = getattr(torch, cfg["save_dtype"])
     model_sd, _ = _full_state(model, [], ctx)
@@ -1018,9 +1042,11 @@ def train(
         "total_seconds": round(seconds_before + train_seconds, 3),
         "tokens_per_second": (tokens_seen - tokens_at_start) / train_seconds if train_seconds else 0.0,
         "warmup_seconds": round(warm_mark[0], 3) if warm_mark else None,
-        "steady_tokens_per_second": (tokens_seen - warm_mark[1]) / (train_seconds - warm_mark[0])
-        if warm_mark and train_seconds > warm_mark[0] and tokens_seen > warm_mark[1]
+        "steady_tokens_per_second": (tokens_seen - warm_mark[1]) / steady_seconds
+        if steady_seconds > 0 and warm_mark and tokens_seen > warm_mark[1]
         else None,
+        "validation_seconds": round(off_steps["validation"], 3),
+        "checkpoint_seconds": round(off_steps["checkpoints"], 3),
         "resumed_from_step": state["step"] if state is not None else None,
         "fingerprint": fingerprint,
         "device": device,

@@ -106,6 +106,20 @@ def engine_layer_ids(layer_ids: Sequence[int]) -> list[int]:
     return sorted(set(layer_ids))
 
 
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether ``x`` (any float dtype, any shape) holds no NaN and no +-Inf.
+
+    One ``torch.aminmax`` pass, which propagates NaN (its documentation), instead of
+    ``torch.isfinite(x).all()``: for one request of the 8B shape in bf16 (32.8 MB) on a CPU,
+    1.7 ms against 48 ms (``benchmarks/writer_throughput.py``). The connector's writer threads
+    check every request's states; that check was most of their work.
+    """
+    if x.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(x)
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+
+
 class ChunkFiller:
     """Writes each request's states into its shard and marks a chunk done when all are in.
 
@@ -181,7 +195,7 @@ class ChunkFiller:
         if hs.shape[0] != len(ids) or hs.shape[1] != len(engine_ids):
             raise ValueError(f"{marker}: sample {sid}: states of shape {tuple(hs.shape)}, expected [{len(ids)}, {len(engine_ids)}, H]")
         out = hs.index_select(1, torch.tensor([engine_ids.index(k) for k in spec["layer_ids"]]))
-        if not torch.isfinite(out).all():
+        if not all_finite(out):
             raise FloatingPointError(f"sample {sid}: hidden states contain NaN/Inf")
         return out
 
