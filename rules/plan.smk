@@ -3,6 +3,7 @@
 # the hooks' bodies in eagle3_pipeline/snakemake_adapter.py (the module that reads Snakemake's DAG).
 from eagle3_pipeline.snakemake_adapter import (
     check_pending_inputs,
+    check_target_at_start,
     keep_incomplete_finished_shards,
     print_resume_hint,
     print_start_plan,
@@ -11,6 +12,9 @@ from eagle3_pipeline.snakemake_adapter import (
 
 onstart:
     check_pending_inputs(workflow)
+    check_target_at_start(
+        workflow, config, None if is_builtin_target() else get_target_dir()
+    )
     keep_incomplete_finished_shards(workflow)
     print_start_plan(
         workflow, config, layout, None if is_builtin_target() else get_target_dir()

@@ -456,6 +456,31 @@ def test_an_edited_target_config_is_refused_naming_the_file_and_value(tmp_path, 
     assert str(tmp_path) in str(e.value)
 
 
+def test_the_runs_start_checks_a_users_target_only_where_generation_is_pending_and_vllm_has_a_platform(tmp_path, monkeypatch, capsys):
+    """snakemake_adapter.check_target_at_start, the onstart hook (the CLI run is tests/test_workflow_dag.py)."""
+    from snakemake.exceptions import WorkflowError
+    from transformers import AutoConfig
+    from vllm.platforms import current_platform
+
+    from eagle3_pipeline import snakemake_adapter
+
+    cfg = AutoConfig.for_model("gpt2", n_layer=2, n_embd=64, n_head=2)
+    cfg.architectures = ["GPT2LMHeadModel"]
+    cfg.save_pretrained(tmp_path)
+    config = {"target": {"trust_remote_code": False}, "max_seq_len": 512}
+    pending = [{"rule": "prepare_prompts"}, {"rule": "generate_traces"}]
+    monkeypatch.setattr(snakemake_adapter, "needrun_jobs", lambda workflow: pending)
+    with pytest.raises(WorkflowError, match=r"GPT2LMHeadModel has no EAGLE-3 support.*Checked at the run's start: nothing was run"):
+        snakemake_adapter.check_target_at_start(None, config, str(tmp_path))
+    snakemake_adapter.check_target_at_start(None, config, None)  # the embedded target: a job makes it
+    pending[1] = {"rule": "train_drafter"}  # generation done: its check ran then
+    snakemake_adapter.check_target_at_start(None, config, str(tmp_path))
+    pending[1] = {"rule": "generate_traces"}
+    monkeypatch.setattr(current_platform, "is_unspecified", lambda: True)  # a login node without GPUs
+    snakemake_adapter.check_target_at_start(None, config, str(tmp_path))
+    assert "the target is checked in generation's job" in capsys.readouterr().err
+
+
 def test_a_target_config_the_engine_cannot_read_is_refused_before_any_engine(tmp_path, monkeypatch):
     """vLLM 0.26 failed inside the first engine on Gemma-4 (H100, benchmarks/results/families_h100.json):
     it reads the per-layer ``head_dim`` of transformers' heterogeneous config as a global value. A

@@ -286,3 +286,46 @@ def test_incomplete_outputs_are_those_a_killed_snakemake_left(tmp_path):
         dag.execute_workflow(executor="local", pseudo_executor="dryrun", execution_settings=ExecutionSettings(lock=False))
         assert {j.rule.name for j in wf._workflow.dag.needrun_jobs(exclude_finished=False)} == {"a", "b", "all"}
         assert incomplete_outputs(wf._workflow) == {"b.txt"}
+
+
+def test_a_target_the_engine_cannot_take_stops_the_run_before_any_job(tmp_path):
+    """onstart: a Gemma-3 target (vLLM's class has no EAGLE-3 support) and a target whose context is shorter
+    than max_seq_len stop the run before any job, also before prepare_prompts (on a cluster: before
+    anything is queued), naming the target and what to do; `-n` still only plans."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    gemma3 = tmp_path / "gemma3"
+    cfg = AutoConfig.for_model("gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=2)
+    cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size = 1, 32, 16000
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    cfg.save_pretrained(gemma3)
+    short = tmp_path / "short"
+    cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=2)
+    cfg.vocab_size, cfg.max_position_embeddings = 16000, 512
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.save_pretrained(short)
+    for target in (gemma3, short):
+        # the DAG lists the weights and the template; the check reads the config (vLLM: and the weights' header)
+        save_file({"lm_head.weight": torch.zeros(2, 2)}, target / "model.safetensors")
+        (target / "chat_template.jinja").write_text("{{ messages }}")
+    for target, says in (
+        (gemma3, "Gemma3ForCausalLM has no EAGLE-3 support"),
+        (short, "max_seq_len"),
+    ):
+        run = tmp_path / target.name
+        conf = tmp_path / f"{target.name}.yaml"
+        conf.write_text(
+            yaml.safe_dump({"run": "r", "target": {"path": str(target)}, "prompts": {"sources": [{"type": "file", "path": str(prompts)}]}})
+        )
+        args = ("--cores", "1", "--configfile", str(conf), "-d", str(run), "-s", str(ROOT / "Snakefile"))
+        assert snakemake("-n", *args).returncode == 0  # a dry-run plans without the check
+        r = snakemake(*args)
+        out = r.stdout + r.stderr
+        assert r.returncode != 0 and str(target) in out and says in out and "Checked at the run's start: nothing was run." in out, out[
+            -3000:
+        ]
+        assert "rule prepare_prompts" not in out and not (run / "results").exists() and not (run / "logs").exists()

@@ -243,6 +243,38 @@ def check_pending_inputs(workflow) -> None:
         )
 
 
+def check_target_at_start(workflow, config: dict, target_dir: str | None) -> None:
+    """The ``onstart`` hook's check of the target, before any job runs (through a cluster profile,
+    before any job is queued): when a ``generate_traces`` job is pending,
+    :func:`eagle3_pipeline.engine.check_eagle3_target` as generation's job runs it (vLLM's model class
+    for the architecture and its EAGLE-3 support, vLLM's model config of the target, the context
+    against ``max_seq_len``). A target the engine cannot take then stops the run here, not in a GPU
+    job after the prompts were prepared. Left to generation's job (which checks again either way):
+    the embedded target (``target_dir`` None: a job makes it), a run with no generation pending, and
+    a machine where vLLM finds no platform (a cluster's login node without GPUs, where its model
+    config is not the GPU node's). Importing vLLM takes 5-8 s of the run's start.
+
+    Raises:
+        snakemake.exceptions.WorkflowError: the check's error (naming the target, its architecture,
+            the versions and what to do); nothing was run.
+    """
+    from snakemake.exceptions import WorkflowError
+
+    if target_dir is None or not any(j["rule"] == "generate_traces" for j in needrun_jobs(workflow)):
+        return
+    from vllm.platforms import current_platform
+
+    from .engine import check_eagle3_target
+
+    if current_platform.is_unspecified():
+        print("(vLLM finds no platform on this machine: the target is checked in generation's job)", file=sys.stderr)
+        return
+    try:
+        check_eagle3_target(target_dir, config["target"]["trust_remote_code"], config["max_seq_len"])
+    except InputError as e:
+        raise WorkflowError(f"{e}. (Checked at the run's start: nothing was run.)") from None
+
+
 def print_start_plan(workflow, config: dict, layout: RunLayout, target_dir: str | None) -> None:
     """The ``onstart`` hook: the plan of the jobs Snakemake's DAG will run, printed and kept as
     :meth:`RunLayout.start_plan`, when any planned stage has a pending job (so not for
