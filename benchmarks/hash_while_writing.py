@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -112,18 +111,8 @@ def main() -> None:
     ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "hash_while_writing"))
     args = ap.parse_args()
     phases.fail_fast(phases.missing_packages(["torch", "safetensors"]))
-    free = shutil.disk_usage(Path(args.work).parent if not Path(args.work).exists() else args.work).free
-    if free < 1.2 * args.gib * 2**30:
-        phases.fail_fast([f"{args.work}: {free / 2**30:.1f} GiB free, the shard needs {args.gib:g} GiB (--work elsewhere, or --gib)"])
-    results = phases.Results(
-        args.out,
-        {
-            "command": "python benchmarks/hash_while_writing.py " + " ".join(sys.argv[1:]),
-            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "cpu": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(),
-        },
-    )
+    phases.fail_fast(phases.short_of_disk(args.work, args.gib * 2**30, "--work elsewhere, or --gib"))
+    results = phases.Results(args.out, phases.host_record(__file__))
     runs: dict[str, list[dict]] = {"after": [], "while": []}
     for r in range(args.rounds):
         for name, follow in (("after", False), ("while", True)):

@@ -401,6 +401,31 @@ def device_problems(device: str) -> list[str]:
     return []
 
 
+def host_record(script: str | os.PathLike) -> dict:
+    """The first fields of a CPU benchmark's JSON: the command that reproduces it (``python
+    benchmarks/<script> <its arguments>``), when it started (UTC), the processor and its core count."""
+    import platform
+
+    return {
+        "command": f"python benchmarks/{Path(script).name} " + " ".join(sys.argv[1:]),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "cpu": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+    }
+
+
+def short_of_disk(work: str | os.PathLike, need_bytes: float, what: str) -> list[str]:
+    """A problem line when the file system of ``work`` (or of its nearest existing parent) has less than
+    1.2 x ``need_bytes`` free; ``what`` says what to change (e.g. "--work elsewhere, or --gib")."""
+    import shutil
+
+    path = Path(work).absolute()
+    free = shutil.disk_usage(next(p for p in (path, *path.parents) if p.exists())).free
+    if free < 1.2 * need_bytes:
+        return [f"{work}: {free / 2**30:.1f} GiB free, the run needs {1.2 * need_bytes / 2**30:.1f} GiB ({what})"]
+    return []
+
+
 def fail_fast(problems: Sequence[str]) -> None:
     """Exit with status 2 naming every problem when there is any (before the first phase)."""
     if problems:

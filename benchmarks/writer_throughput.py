@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -161,20 +160,11 @@ def main() -> None:
     problems = phases.unwritable([args.out], [args.work])
     if min(args.requests, *args.threads, args.repeats, args.rounds) < 1:
         problems.append("--requests, --threads, --repeats and --rounds must be at least 1")
-    need = args.requests * TOKENS * len(LAYER_IDS) * HIDDEN * 2
-    parent = Path(args.work) if Path(args.work).exists() else Path(args.work).parent
-    if not problems and shutil.disk_usage(parent).free < 1.2 * need:
-        problems.append(f"{args.work}: less than {1.2 * need / 2**30:.1f} GiB free (--work elsewhere, or fewer --requests)")
+    if not problems:
+        need = args.requests * TOKENS * len(LAYER_IDS) * HIDDEN * 2
+        problems += phases.short_of_disk(args.work, need, "--work elsewhere, or fewer --requests")
     phases.fail_fast(problems)
-    results = phases.Results(
-        args.out,
-        {
-            "command": "python benchmarks/writer_throughput.py " + " ".join(sys.argv[1:]),
-            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "cpu": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(),
-        },
-    )
+    results = phases.Results(args.out, phases.host_record(__file__))
     work = Path(args.work)
     results.inline("parts", parts, work, args.repeats)
     for n in args.threads:

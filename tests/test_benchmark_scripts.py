@@ -464,6 +464,12 @@ def test_paths_and_devices_a_script_cannot_use_are_named_before_its_first_phase(
 
     if not torch.cuda.is_available():
         assert phases.device_problems("cuda:0") == ["--device cuda:0: torch sees no CUDA GPU(s) here; use --device cpu"]
+    import shutil
+
+    free = shutil.disk_usage(tmp_path).free
+    assert phases.short_of_disk(tmp_path / "new" / "w", free / 1.2 - 2**20, "fewer") == []  # a folder still to make
+    (line,) = phases.short_of_disk(tmp_path / "new" / "w", free, "--work elsewhere")
+    assert line.startswith(f"{tmp_path / 'new' / 'w'}: ") and "GiB free, the run needs" in line and line.endswith("(--work elsewhere)")
 
 
 def test_range_host_seconds_reads_the_ranges_cpu_events_not_their_device_twins():
