@@ -255,6 +255,13 @@ def test_acceptance_overall_and_per_position():
     left, right = acceptance_figure(acc).axes
     assert list(left.lines[-1].get_ydata()) == [1.4]
     assert [list(line.get_ydata()) for line in right.lines] == [[0.35, 0.2, 0.1], [0.25, 0.1, 0.05]]
+    # the markers beside each bar's centre and τ's value inside its bar: no value label under a marker
+    assert [list(line.get_xdata()) for line in right.lines] == [[-0.25, 0.75, 1.75], [0.25, 1.25, 2.25]]
+    (label,) = left.texts
+    assert label.get_text() == "1.500" and label.xy == (
+        0.5,
+        0.5,
+    )  # the middle of the bar (matplotlib places it in the bar's own coordinates)
 
 
 def test_throughput_and_estimate_vs_actual_from_the_summary():

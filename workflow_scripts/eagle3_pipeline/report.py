@@ -302,7 +302,8 @@ def acceptance_figure(acceptance: Mapping) -> Figure:
     fig = Figure(figsize=(9, 3.8), layout="constrained")
     left, right = fig.subplots(1, 2, width_ratios=[1, 3])
     bar = left.bar(["τ"], [tau], color="C2")
-    left.bar_label(bar, labels=[f"{tau:.3f}"], fontsize=9)
+    # inside the bar: the replayed validation τ is drawn as a dot at the bar's top, often next to it
+    left.bar_label(bar, labels=[f"{tau:.3f}"], fontsize=9, label_type="center", color="white")
     left.axhline(1 + k, color="k", linestyle="--", linewidth=1, label=f"ceiling 1 + k = {1 + k}")
     left.axhline(1, color="0.5", linewidth=1)
     left.set_ylim(0, 1 + k + 0.3)
@@ -315,11 +316,12 @@ def acceptance_figure(acceptance: Mapping) -> Figure:
     offline = acceptance.get("offline_validation") or {}
     off = [offline.get(f"full_acc_{i}") for i in pos]
     if any(v is not None for v in off):
-        right.plot(pos, [np.nan if v is None else v for v in off], "D", color="C3", label="training validation full_acc (per token)")
+        # the markers sit left and right of each bar's centre, clear of its value label
+        right.plot(pos - 0.25, [np.nan if v is None else v for v in off], "D", color="C3", label="training validation full_acc (per token)")
     replay = [offline.get(f"replay_acc_{i}") for i in pos]
     if any(v is not None for v in replay):
         right.plot(
-            pos,
+            pos + 0.25,
             [np.nan if v is None else v for v in replay],
             "o",
             color="C1",
