@@ -456,6 +456,38 @@ def test_an_edited_target_config_is_refused_naming_the_file_and_value(tmp_path, 
     assert str(tmp_path) in str(e.value)
 
 
+def test_a_target_whose_weights_files_cannot_be_read_is_refused_naming_each(tmp_path):
+    """An interrupted copy: vLLM's model config read an empty safetensors file's header and failed
+    with "unpack requires a buffer of 8 bytes", which the check reported as a config.json problem."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    from eagle3_pipeline.engine import check_eagle3_target
+    from eagle3_pipeline.io import InputError
+
+    cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2)
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    shards = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    save_file({"lm_head.weight": torch.zeros(2, 2)}, tmp_path / shards[0])
+    save_file({"model.norm.weight": torch.zeros(2)}, tmp_path / shards[1])
+    index = {"metadata": {}, "weight_map": {"lm_head.weight": shards[0], "model.norm.weight": shards[1]}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert check_eagle3_target(str(tmp_path)) == "LlamaForCausalLM"
+    full = (tmp_path / shards[1]).read_bytes()
+    (tmp_path / shards[1]).write_bytes(full[:5])  # cut inside the header's length
+    index["weight_map"]["model.embed_tokens.weight"] = shards[2]  # a shard never copied
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(InputError) as e:
+        check_eagle3_target(str(tmp_path))
+    msg = str(e.value)
+    assert msg.startswith(f"{tmp_path}: 2 weights file(s) cannot be read") and "download them again" in msg
+    assert f"{tmp_path / shards[1]}: not a readable safetensors file" in msg
+    assert f"{tmp_path / shards[2]}: named by model.safetensors.index.json, missing" in msg
+    assert shards[0] not in msg
+
+
 def test_the_runs_start_checks_a_users_target_only_where_generation_is_pending_and_vllm_has_a_platform(tmp_path, monkeypatch, capsys):
     """snakemake_adapter.check_target_at_start, the onstart hook (the CLI run is tests/test_workflow_dag.py)."""
     from snakemake.exceptions import WorkflowError

@@ -66,7 +66,9 @@ def check_eagle3_target(target_path: str, trust_remote_code: bool = False, max_s
         the architecture checked.
 
     Raises:
-        InputError: transformers cannot read the target's config (a value it rejects, an
+        InputError: a weights file cannot be read (:func:`eagle3_pipeline.target_model.weight_file_problems`:
+            a truncated safetensors header, a shard the index names missing), transformers cannot
+            read the target's config (a value it rejects, an
             unknown model type, or model code not trusted), vLLM knows none of its
             architectures, the class has no EAGLE-3 support, vLLM cannot build its model
             config from the target's, or ``max_seq_len`` exceeds the context length; the
@@ -79,9 +81,14 @@ def check_eagle3_target(target_path: str, trust_remote_code: bool = False, max_s
     from vllm.model_executor.models.interfaces import supports_eagle3
 
     from .io import InputError
-    from .target_model import read_config_json
+    from .target_model import read_config_json, weight_file_problems
 
     declared = read_config_json(target_path)
+    if broken := weight_file_problems(target_path):
+        raise InputError(
+            f"{target_path}: {len(broken)} weights file(s) cannot be read:\n  " + "\n  ".join(broken) + "\n"
+            "copy or download them again (an interrupted download leaves such files)"
+        )
     try:
         archs = AutoConfig.from_pretrained(target_path, trust_remote_code=trust_remote_code).architectures or []
     except Exception as e:  # noqa: BLE001 - a value it rejects, a model type it does not know, code it may not run

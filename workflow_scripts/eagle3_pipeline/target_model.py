@@ -103,6 +103,32 @@ def check_target_dir(path: str | os.PathLike) -> Path:
     return p
 
 
+def weight_file_problems(path: str | os.PathLike) -> list[str]:
+    """What keeps the target's weights files from being read, one line each: a ``*.safetensors``
+    file whose header does not parse (an empty, truncated or partly copied file; only the header
+    is read, with ``safetensors.safe_open``), and a file ``model.safetensors.index.json`` names that
+    is missing. An empty list when there is nothing to say (``*.bin`` weights are not read)."""
+    from safetensors import safe_open
+
+    p = Path(path)
+    out = []
+    for f in sorted(p.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="np"):
+                pass
+        except Exception as e:  # noqa: BLE001 - the library's error for any unreadable header
+            out.append(f"{f}: not a readable safetensors file ({type(e).__name__}: {' '.join(str(e).split())[:200]})")
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            named = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            out.append(f"{index}: no weight_map of file names ({type(e).__name__}: {e})")
+        else:
+            out += [f"{p / n}: named by {index.name}, missing" for n in named if not (p / n).is_file()]
+    return out
+
+
 def model_fingerprint(path: str | os.PathLike, full_hash_limit_bytes: int = 64 << 20) -> str:
     """A content fingerprint of a model directory (hex SHA-256).
 
