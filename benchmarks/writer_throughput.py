@@ -33,8 +33,8 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -122,26 +122,12 @@ def _fill_once(work: Path, requests: int, threads: int) -> float:
     marker, _, samples, states = _requests(work, requests)
     fill = ChunkFiller()
     ids = [torch.from_numpy(s.input_ids) for s in samples]
-    todo = iter(range(requests))
-    lock = threading.Lock()
-
-    def worker() -> None:
-        while True:
-            with lock:
-                i = next(todo, None)
-            if i is None:
-                return
-            fill.add(str(marker), i, states, ids[i])
-
     t = time.perf_counter()
-    pool = [threading.Thread(target=worker) for _ in range(threads)]
-    for th in pool:
-        th.start()
-    for th in pool:
-        th.join()
+    with ThreadPoolExecutor(threads) as pool:  # as vLLM's writer threads; an add's error is raised here
+        list(pool.map(lambda i: fill.add(str(marker), i, states, ids[i]), range(requests)))
     secs = time.perf_counter() - t
     if not marker.exists():
-        raise RuntimeError(f"{marker}: the chunk was not marked done ({(work / 'chunk-000000.done.error')})")
+        raise RuntimeError(f"{marker}: the chunk was not marked done")
     os.sync()  # the next round starts without this one's dirty pages
     return requests * states.numel() * 2 / secs / 1e9
 
