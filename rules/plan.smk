@@ -1,22 +1,11 @@
 # Plans: `snakemake plan` previews a run; a real run keeps the plan it starts with (onstart) and,
 # when it stops early, says what a rerun resumes from (onerror). Library: eagle3_pipeline/plan.py,
 # the hooks' bodies in eagle3_pipeline/snakemake_adapter.py (the module that reads Snakemake's DAG).
-from eagle3_pipeline.snakemake_adapter import (
-    check_pending_inputs,
-    check_target_at_start,
-    keep_incomplete_finished_shards,
-    print_resume_hint,
-    print_start_plan,
-)
+from eagle3_pipeline.snakemake_adapter import on_start, print_resume_hint
 
 
 onstart:
-    check_pending_inputs(workflow)
-    check_target_at_start(
-        workflow, config, None if is_builtin_target() else get_target_dir()
-    )
-    keep_incomplete_finished_shards(workflow)
-    print_start_plan(
+    on_start(
         workflow, config, layout, None if is_builtin_target() else get_target_dir()
     )
 

@@ -501,15 +501,14 @@ def test_the_runs_start_checks_a_users_target_only_where_generation_is_pending_a
     cfg.save_pretrained(tmp_path)
     config = {"target": {"trust_remote_code": False}, "max_seq_len": 512}
     pending = [{"rule": "prepare_prompts"}, {"rule": "generate_traces"}]
-    monkeypatch.setattr(snakemake_adapter, "needrun_jobs", lambda workflow: pending)
     with pytest.raises(WorkflowError, match=r"GPT2LMHeadModel has no EAGLE-3 support.*Checked at the run's start: nothing was run"):
-        snakemake_adapter.check_target_at_start(None, config, str(tmp_path))
-    snakemake_adapter.check_target_at_start(None, config, None)  # the embedded target: a job makes it
+        snakemake_adapter.check_target_at_start(pending, config, str(tmp_path))
+    snakemake_adapter.check_target_at_start(pending, config, None)  # the embedded target: a job makes it
     pending[1] = {"rule": "train_drafter"}  # generation done: its check ran then
-    snakemake_adapter.check_target_at_start(None, config, str(tmp_path))
+    snakemake_adapter.check_target_at_start(pending, config, str(tmp_path))
     pending[1] = {"rule": "generate_traces"}
     monkeypatch.setattr(current_platform, "is_unspecified", lambda: True)  # a login node without GPUs
-    snakemake_adapter.check_target_at_start(None, config, str(tmp_path))
+    snakemake_adapter.check_target_at_start(pending, config, str(tmp_path))
     assert "the target is checked in generation's job" in capsys.readouterr().err
 
 

@@ -643,12 +643,12 @@ def _fake_workflow(jobs: list[tuple[str, dict, list[str], list[str]]], targets: 
 
 
 def test_the_onstart_hook_keeps_and_prints_the_plan_of_the_pending_jobs(tmp_path, capsys):
-    from eagle3_pipeline.snakemake_adapter import print_start_plan
+    from eagle3_pipeline.snakemake_adapter import needrun_jobs, print_start_plan
 
     lay = RunLayout.at(tmp_path / "results" / "r")
     d2t = lay.vocab("d2t")
     wf = _fake_workflow([("train_drafter", {}, [d2t], [lay.drafter()]), ("build_vocab_mapping", {}, [], [d2t])])
-    print_start_plan(wf, validate_config({"run": "r"}), lay, None)
+    print_start_plan(needrun_jobs(wf), validate_config({"run": "r"}), lay, None)
     (kept,) = lay.start_plans()
     plan = json.loads(kept.read_text())
     assert plan["kind"] == "start" and plan["jobs"] == {"build_vocab_mapping": 1, "train_drafter": 1}
@@ -656,11 +656,11 @@ def test_the_onstart_hook_keeps_and_prints_the_plan_of_the_pending_jobs(tmp_path
     assert re.match(rf"plan for run 'r' on {plan['platform']} \(estimates; kept as {re.escape(kept.as_posix())}\):\n", err)
     assert "Snakemake will run 2 job(s): build_vocab_mapping x1, train_drafter x1" in err
     # nothing pending in a planned stage (`snakemake plan` itself): no plan kept or printed
-    print_start_plan(_fake_workflow([("plan", {}, [], [])]), validate_config({"run": "r"}), lay, None)
+    print_start_plan(needrun_jobs(_fake_workflow([("plan", {}, [], [])])), validate_config({"run": "r"}), lay, None)
     assert lay.start_plans() == [kept] and capsys.readouterr().err == ""
-    # a plan is advice: a DAG it cannot read is named, never raised
-    print_start_plan(object(), validate_config({"run": "r"}), lay, None)
-    assert capsys.readouterr().err.startswith("(no plan: AttributeError:")
+    # a plan is advice: jobs it cannot read are named, never raised
+    print_start_plan([{"rule": "train_drafter"}], validate_config({"run": "r"}), lay, None)
+    assert capsys.readouterr().err.startswith("(no plan: KeyError:")
 
 
 def test_the_onerror_hook_says_what_a_rerun_resumes_from(tmp_path, capsys):

@@ -9,8 +9,8 @@ here, and nowhere else, so that a change of Snakemake's internals fails in one p
   (``snakemake plan``) will run, for :mod:`eagle3_pipeline.plan`;
 - :func:`rule_stage`: the stage of a rule, from the script it runs (a sweep variant's rule reuses
   its stage's script), so that no list of rule names is kept by hand;
-- :func:`print_start_plan`, :func:`keep_incomplete_finished_shards` and :func:`print_resume_hint`:
-  the bodies of the ``onstart`` and ``onerror`` hooks (rules/plan.smk);
+- :func:`on_start` and :func:`print_resume_hint`: the bodies of the ``onstart`` and ``onerror``
+  hooks (rules/plan.smk);
 - :func:`incomplete_outputs`: the outputs Snakemake marked incomplete;
 - :func:`lineage_jobs`: every job of the run with its declared files, for the run manifest
   (rules/write_manifest.smk);
@@ -130,8 +130,9 @@ def incomplete_outputs(workflow) -> set[str]:
     return {keys[k] for k in workflow.persistence._filter_incomplete_keys(keys)}
 
 
-def keep_incomplete_finished_shards(workflow) -> list[str]:
-    """The ``onstart`` hook's step for the shard jobs a killed snakemake left marked incomplete
+def keep_incomplete_finished_shards(workflow, jobs: list[dict]) -> list[str]:
+    """The ``onstart`` hook's step (:func:`on_start`; ``jobs`` as :func:`needrun_jobs` lists them)
+    for the shard jobs a killed snakemake left marked incomplete
     although they had finished: each generation or extraction job whose outputs are all marked
     (:func:`incomplete_outputs`) and whose record names their bytes gets them kept for its rerun
     (:func:`eagle3_pipeline.shard_job.keep_for_rerun`), which takes them back instead of doing the
@@ -150,7 +151,7 @@ def keep_incomplete_finished_shards(workflow) -> list[str]:
     stages = {"generate_traces": (traces_summary_path, SUMMARY_HASH_KEYS), "extract_hidden_states": (shard_index_path, INDEX_HASH_KEYS)}
     try:
         marked = incomplete_outputs(workflow)
-        jobs = [j for j in needrun_jobs(workflow) if j["stage"] in stages and j["output"] and set(j["output"]) <= marked]
+        jobs = [j for j in jobs if j["stage"] in stages and j["output"] and set(j["output"]) <= marked]
     except AttributeError as e:
         print(f"(finished shards marked incomplete not looked for: {type(e).__name__}: {e})", file=sys.stderr)
         return []
@@ -218,8 +219,9 @@ def target_rules(workflow) -> set[str]:
         return set()
 
 
-def check_pending_inputs(workflow) -> None:
-    """The ``onstart`` hook's first step: refuse the run before any job starts (and before Snakemake
+def check_pending_inputs(jobs: list[dict]) -> None:
+    """The ``onstart`` hook's first step (:func:`on_start`; ``jobs`` as :func:`needrun_jobs` lists
+    them): refuse the run before any job starts (and before Snakemake
     deletes the outputs of the jobs it reruns) when a file a pending job reads, and no pending job
     remakes, differs from what its producer recorded (:func:`eagle3_pipeline.verify.recorded_input_problems`),
     e.g. a trace shard edited after generation, which would otherwise stop extraction only after
@@ -232,7 +234,6 @@ def check_pending_inputs(workflow) -> None:
 
     from .verify import recorded_input_problems
 
-    jobs = needrun_jobs(workflow)
     remade = {o for j in jobs for o in j["output"]}
     inputs = sorted({f for j in jobs for f in j["input"] if not any(str(q) in remade for q in (Path(f), *Path(f).parents))})
     problems = recorded_input_problems(inputs)
@@ -243,9 +244,10 @@ def check_pending_inputs(workflow) -> None:
         )
 
 
-def check_target_at_start(workflow, config: dict, target_dir: str | None) -> None:
-    """The ``onstart`` hook's check of the target, before any job runs (through a cluster profile,
-    before any job is queued): when a ``generate_traces`` job is pending,
+def check_target_at_start(jobs: list[dict], config: dict, target_dir: str | None) -> None:
+    """The ``onstart`` hook's check of the target (:func:`on_start`), before any job runs (through a
+    cluster profile, before any job is queued): when a ``generate_traces`` job is among ``jobs``
+    (as :func:`needrun_jobs` lists them),
     :func:`eagle3_pipeline.engine.check_eagle3_target` as generation's job runs it (vLLM's model class
     for the architecture and its EAGLE-3 support, vLLM's model config of the target, the context
     against ``max_seq_len``). A target the engine cannot take then stops the run here, not in a GPU
@@ -260,7 +262,7 @@ def check_target_at_start(workflow, config: dict, target_dir: str | None) -> Non
     """
     from snakemake.exceptions import WorkflowError
 
-    if target_dir is None or not any(j["rule"] == "generate_traces" for j in needrun_jobs(workflow)):
+    if target_dir is None or not any(j["rule"] == "generate_traces" for j in jobs):
         return
     from vllm.platforms import current_platform
 
@@ -275,8 +277,9 @@ def check_target_at_start(workflow, config: dict, target_dir: str | None) -> Non
         raise WorkflowError(f"{e}. (Checked at the run's start: nothing was run.)") from None
 
 
-def print_start_plan(workflow, config: dict, layout: RunLayout, target_dir: str | None) -> None:
-    """The ``onstart`` hook: the plan of the jobs Snakemake's DAG will run, printed and kept as
+def print_start_plan(jobs: list[dict], config: dict, layout: RunLayout, target_dir: str | None) -> None:
+    """The ``onstart`` hook's last step (:func:`on_start`): the plan of ``jobs``, the jobs Snakemake's
+    DAG will run (as :func:`needrun_jobs` lists them), printed and kept as
     :meth:`RunLayout.start_plan`, when any planned stage has a pending job (so not for
     ``snakemake plan`` itself, whose rule prints its own preview). Never stops a run: a plan is
     advice. ``target_dir``: None for the embedded target (its known shape)."""
@@ -284,7 +287,6 @@ def print_start_plan(workflow, config: dict, layout: RunLayout, target_dir: str 
     from .plan import format_plan, plan_dict, plan_run
 
     try:
-        jobs = needrun_jobs(workflow)
         stages, platform = plan_run(config, target_dir, layout.dir, jobs, bench_dir=layout.bench_dir)
     except Exception as e:  # a plan is advice: never stop a run over it
         print(f"(no plan: {type(e).__name__}: {e})", file=sys.stderr)
@@ -300,6 +302,24 @@ def print_start_plan(workflow, config: dict, layout: RunLayout, target_dir: str 
         f"plan for run {layout.run!r} on {platform} (estimates; kept as {path}):\n" + format_plan(stages, jobs),
         file=sys.stderr,
     )
+
+
+def on_start(workflow, config: dict, layout: RunLayout, target_dir: str | None) -> None:
+    """The ``onstart`` hook (rules/plan.smk), in order: :func:`check_pending_inputs`,
+    :func:`check_target_at_start`, :func:`keep_incomplete_finished_shards` and
+    :func:`print_start_plan`, over one list of the jobs Snakemake will run (:func:`needrun_jobs`;
+    Snakemake's DAG is walked once). ``target_dir``: None for the embedded target.
+
+    Raises:
+        snakemake.exceptions.WorkflowError: an input of a pending job differs from its producer's
+            record, or the target cannot be served; nothing was run.
+        AttributeError: Snakemake's internals changed (:func:`needrun_jobs`).
+    """
+    jobs = needrun_jobs(workflow)
+    check_pending_inputs(jobs)
+    check_target_at_start(jobs, config, target_dir)
+    keep_incomplete_finished_shards(workflow, jobs)
+    print_start_plan(jobs, config, layout, target_dir)
 
 
 def print_resume_hint(workflow, layout: RunLayout) -> None:
