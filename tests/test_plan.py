@@ -54,15 +54,15 @@ def test_fresh_run_is_planned_from_the_reference_figures(tmp_path):
     assert gen.seconds == pytest.approx(
         ref["generate_traces"]["load_seconds"] + gen.tokens / (ref["generate_traces"]["tokens_per_second"] * scale), abs=0.1
     )
-    assert gen.source.startswith("reference (this project's demo run on 2 CPU cores")
+    assert gen.source.startswith("reference (this project's demo runs on 2 CPU cores")
     # the embedded target on CPU is the reference itself: no "x 1", no parallelism caveat
     assert all(p.source == f"reference ({ref['source']})" for s, p in plan.items() if s != "evaluate_drafter")
     # the default speedup measurement (1, 16 and 64 in flight, every prompt) from the demo's, made at 8
     # in flight only: the nearest figure for each, said in the source
     ev = plan["evaluate_drafter"]
     speed = ref["evaluate_drafter_speedup"]
-    assert (speed["with_drafter"], speed["without_drafter"]) == ({"8": 146.16}, {"8": 190.1})
-    decode = 3 * (ev.tokens / 146.16 + ev.tokens / 190.1)  # per concurrency, 80 prompts x max_tokens per side
+    assert (speed["with_drafter"], speed["without_drafter"]) == ({"8": 123.44}, {"8": 166.0})
+    decode = 3 * (80 * 256 / 123.44 + 80 * 256 / 166.0)  # per concurrency, 80 prompts x max_tokens per side
     assert ev.work["speedup_seconds"] == pytest.approx(speed["load_seconds"] + decode, abs=0.1)
     assert ev.source.startswith(f"reference ({ref['source']}); speedup measurement ")
     assert "[1, 16, 64] in flight taken from the nearest measured concurrency" in ev.source
@@ -78,7 +78,7 @@ def test_fresh_run_is_planned_from_the_reference_figures(tmp_path):
     # tokens x 4 captured layers ([2, 15, 27] + 30) x hidden 576 x 2 bytes (bf16)
     assert ext.disk_bytes == ext.tokens * 4 * 576 * 2
     assert plan["train_drafter"].tokens == int(ext.tokens * cfg["training"]["epochs"] * (1 - cfg["training"]["val_fraction"]))
-    assert plan["evaluate_drafter"].tokens == 80 * cfg["evaluation"]["max_tokens"]
+    assert plan["evaluate_drafter"].tokens == int(80 * COMPLETION_FILL * cfg["evaluation"]["max_tokens"])
     assert not any(p.done for p in plan.values())
 
 
@@ -225,7 +225,7 @@ def test_vllm_extraction_on_cpu_has_its_own_reference_and_the_caveat_only_where_
     assert (ext.load_seconds, ext.tokens_per_second) == (18.0, 2449.0)
     assert ext.source == f"reference ({ref['source']})"
     hf = validate_config({"prompts": {"max_prompts": 10}})
-    assert _by_stage(make_plan(hf, BUILTIN_SHAPE, tmp_path, "cpu"))["extract_hidden_states"].load_seconds == 4.0
+    assert _by_stage(make_plan(hf, BUILTIN_SHAPE, tmp_path, "cpu"))["extract_hidden_states"].load_seconds == 4.5
     # tensor parallel on CPU, and any GPU plan, carry the caveat; a smaller target its scale
     tp = validate_config({"prompts": {"max_prompts": 10}, "vllm": {"tensor_parallel_size": 2}})
     assert all(
@@ -543,7 +543,7 @@ def test_reference_figures_are_data_with_a_source_and_command_each():
                 # each figure says where and how it was measured: its own source/command or its reference's
                 assert fig.get("source", ref["source"]) and fig.get("command", ref["command"]), (platform, name)
     # the figures the estimates were built on (they were code before they were data)
-    assert refs["cpu"][0]["generate_traces"] == {"tokens_per_second": 634.0, "load_seconds": 25.6}
+    assert refs["cpu"][0]["generate_traces"] == {"tokens_per_second": 524.5, "load_seconds": 30.0}
     assert refs["cpu_fp32"][0]["train_drafter"] == {"tokens_per_second": 41.0, "load_seconds": 5.0}
     assert [r["params"] for r in refs["cuda"]] == [8_030_261_248, 134_515_008]
     assert refs["cuda"][1]["extract_hidden_states"] == {"tokens_per_second": 216358.0, "load_seconds": 63.0}
@@ -697,7 +697,8 @@ def test_the_evaluation_estimate_includes_its_speedup_measurement(tmp_path):
     assert {s: {int(c): v for c, v in f.items()} for s, f in ref["evaluate_drafter_speedup"].items() if s in figures} == figures
     speed = 64.5 + sum(512 / tps for side in figures.values() for tps in side.values())
     assert ev.work["speedup_seconds"] == pytest.approx(speed, abs=0.1)
-    tau_part = ref["evaluate_drafter"]["load_seconds"] + 20 * 64 / ref["evaluate_drafter"]["tokens_per_second"]
+    # tau's answers: 20 prompts x 79% of 64 tokens (answers end before max_tokens)
+    tau_part = ref["evaluate_drafter"]["load_seconds"] + int(20 * 0.79 * 64) / ref["evaluate_drafter"]["tokens_per_second"]
     assert ev.seconds == pytest.approx(tau_part + speed, abs=0.2)
     assert f"speedup measurement {round(speed, 1):.0f} s: reference (the speedup measurement of a demo-config run" in ev.source
     # no measurement asked for: nothing added, nothing said
@@ -738,8 +739,9 @@ def test_a_finished_evaluation_plans_the_next_from_its_own_speedup_rows(tmp_path
     (run / "eval" / "acceptance.json").write_text(json.dumps(acc))
     cfg = validate_config({"run": "r", "evaluation": {**DEMO_SPEEDUP, "max_prompts": 20}})
     ev = _by_stage(make_plan(cfg, BUILTIN_SHAPE, run, "cpu_fp32"))["evaluate_drafter"]
-    # that run's job took 375.6 s: two engine starts, tau's 1,280 tokens and the four decoding runs
-    assert ev.seconds == pytest.approx(2 * 64.518 + 51.422 + 93.248 + 62.485 + 25.978 + 13.205, abs=0.2)
+    # that run's job took 375.6 s: two engine starts, tau's 1,280 tokens and the four decoding runs; the
+    # plan's tau answers are 79% of max_tokens (1,011 tokens at that run's 1,280 / 51.422 tok/s)
+    assert ev.seconds == pytest.approx(2 * 64.518 + int(20 * 0.79 * 64) * 51.422 / 1280 + 93.248 + 62.485 + 25.978 + 13.205, abs=0.2)
     assert ev.source.endswith(f"; speedup measurement 259 s: measured: {run / 'eval' / 'acceptance.json'}")
     # a sweep variant's evaluation measures it again; one that skips it adds nothing
     two = validate_config(
@@ -831,9 +833,13 @@ def test_the_evaluation_is_planned_for_the_prompts_its_source_has(tmp_path):
         e = plan["evaluate_drafter"]
         return e.tokens, e.work["tokens_source"]
 
-    assert evaluation({"max_prompts": 100_000}) == (80 * 256, "MT-Bench's 80 first turns x max_tokens")
-    assert evaluation({"max_prompts": 5}) == (5 * 256, "evaluation.max_prompts (MT-Bench's 80 first turns cut to 5) x max_tokens")
+    # answers end before max_tokens: 79% of it, as the demo's generation answers fill it
+    assert evaluation({"max_prompts": 100_000}) == (int(80 * 0.79 * 256), "MT-Bench's 80 first turns x 79% of max_tokens")
+    assert evaluation({"max_prompts": 5}) == (
+        int(5 * 0.79 * 256),
+        "evaluation.max_prompts (MT-Bench's 80 first turns cut to 5) x 79% of max_tokens",
+    )
     own = {"prompts": {"type": "file", "path": str(questions)}, "max_tokens": 10}
-    assert evaluation(own | {"max_prompts": 1000})[0] == 7 * 10
-    assert evaluation(own)[1] == f"the 7 questions of {questions} x max_tokens"
-    assert evaluation(own | {"prompts": {"type": "file", "path": str(tmp_path / "none.jsonl")}})[0] == 80 * 10
+    assert evaluation(own | {"max_prompts": 1000})[0] == int(7 * 0.79 * 10)
+    assert evaluation(own)[1] == f"the 7 questions of {questions} x 79% of max_tokens"
+    assert evaluation(own | {"prompts": {"type": "file", "path": str(tmp_path / "none.jsonl")}})[0] == int(80 * 0.79 * 10)
