@@ -1,6 +1,7 @@
 """Prompt rendering, reasoning split, spec-decode counter parsing and decoding throughput (no engine needed)."""
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -488,8 +489,12 @@ def test_a_target_whose_weights_files_cannot_be_read_is_refused_naming_each(tmp_
     assert shards[0] not in msg
 
 
-def test_the_runs_start_checks_a_users_target_only_where_generation_is_pending_and_vllm_has_a_platform(tmp_path, monkeypatch, capsys):
+def test_the_runs_start_checks_a_users_target_only_where_generation_is_pending_and_vllm_has_a_platform(
+    tmp_path, monkeypatch, capsys, target_dir
+):
     """snakemake_adapter.check_target_at_start, the onstart hook (the CLI run is tests/test_workflow_dag.py)."""
+    import shutil
+
     from snakemake.exceptions import WorkflowError
     from transformers import AutoConfig
     from vllm.platforms import current_platform
@@ -499,6 +504,9 @@ def test_the_runs_start_checks_a_users_target_only_where_generation_is_pending_a
     cfg = AutoConfig.for_model("gpt2", n_layer=2, n_embd=64, n_head=2)
     cfg.architectures = ["GPT2LMHeadModel"]
     cfg.save_pretrained(tmp_path)
+    for f in target_dir.iterdir():  # a tokenizer that renders prompts (checked first)
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(f, tmp_path)
     config = {"target": {"trust_remote_code": False}, "max_seq_len": 512}
     pending = [{"rule": "prepare_prompts"}, {"rule": "generate_traces"}]
     with pytest.raises(WorkflowError, match=r"GPT2LMHeadModel has no EAGLE-3 support.*Checked at the run's start: nothing was run"):
@@ -605,3 +613,121 @@ def test_the_evaluation_job_runs_the_drafters_engine_then_the_targets_alone(tmp_
     assert [r["concurrency"] for r in report.get("speedup", [])] == concurrency
     assert [json.loads(x)["id"] for x in Path(out["outputs"]).read_text().splitlines()] == ["q0", "q1"]
     assert [json.loads(x)["id"] for x in Path(out["rejects"]).read_text().splitlines()] == ["q2"]
+
+
+def _small_llama(folder, **config):
+    """A 3-layer random Llama saved as transformers saves it (one safetensors file), and its state dict's names."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(
+        "llama", hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
+        vocab_size=128, **config,
+    )  # fmt: skip
+    cfg.architectures = ["LlamaForCausalLM"]
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(folder)
+    return set(model.state_dict())
+
+
+def test_a_config_json_that_is_not_the_weights_is_refused_before_any_engine(tmp_path):
+    """A config.json edited or copied from another checkpoint: vLLM failed inside generation's engine
+    ("weights were not initialized from checkpoint"), after Snakemake had deleted the earlier traces
+    (a changed target reruns generation)."""
+    from eagle3_pipeline.engine import check_eagle3_target
+    from eagle3_pipeline.io import InputError
+    from eagle3_pipeline.target_model import weights_config_problems
+
+    names = _small_llama(tmp_path)
+    assert {int(n.split(".")[2]) for n in names if n.startswith("model.layers.")} == {0, 1, 2}  # what the checks read
+    assert weights_config_problems(tmp_path, 3, 32) == [] and check_eagle3_target(str(tmp_path)) == "LlamaForCausalLM"
+    assert weights_config_problems(tmp_path, 5, 32) == [
+        "config.json has 5 hidden layers; no weights for layer(s) 3-4 (the weights hold layers 0 to 2 under model.layers)"
+    ]
+    assert weights_config_problems(tmp_path, 1, 32) == [
+        "config.json has 1 hidden layers; weights for layer(s) 1-2 too (the weights hold layers 0 to 2 under model.layers)"
+    ]
+    assert weights_config_problems(tmp_path, 2, 32, extra_layers=1) == []  # DeepSeek-V3's stored MTP layer
+    assert weights_config_problems(tmp_path, 3, 64) == [
+        "config.json has hidden_size 64; the token embedding model.embed_tokens.weight is 128 x 32"
+    ]
+    f = tmp_path / "config.json"
+    f.write_text(json.dumps(json.loads(f.read_text()) | {"num_hidden_layers": 4}))
+    with pytest.raises(InputError) as e:
+        check_eagle3_target(str(tmp_path))
+    assert str(e.value).startswith(f"{tmp_path}: config.json does not match the weights:\n  config.json has 4 hidden layers; ")
+    assert "no weights for layer(s) 3 " in str(e.value) and "copy its config.json again" in str(e.value)
+
+
+def test_a_torch_checkpoint_cut_short_or_empty_is_named(tmp_path):
+    """``pytorch_model.bin`` weights (torch's zip format): a truncated copy failed inside generation's
+    engine with "PytorchStreamReader failed reading zip archive"."""
+    import torch
+
+    from eagle3_pipeline.target_model import weight_file_problems
+
+    f = tmp_path / "pytorch_model.bin"
+    torch.save({"model.norm.weight": torch.ones(1000)}, f)
+    assert weight_file_problems(tmp_path) == []
+    whole = f.read_bytes()
+    f.write_bytes(whole[: len(whole) // 2])
+    (problem,) = weight_file_problems(tmp_path)
+    assert problem.startswith(f"{f}: not a readable torch checkpoint (its zip directory: ")
+    f.write_bytes(b"")
+    assert weight_file_problems(tmp_path) == [f"{f}: empty"]
+    f.write_bytes(whole)
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"a": "pytorch_model.bin", "b": "x.bin"}}))
+    assert weight_file_problems(tmp_path) == [f"{tmp_path / 'x.bin'}: named by pytorch_model.bin.index.json, missing"]
+
+
+@pytest.mark.parametrize(
+    ("case", "edit", "expected"),
+    [
+        ("tokenizer.json cut short", lambda d: (d / "tokenizer.json").write_text('{"version": "1.0", "model": {'), r"tokenizer\.json \(line 1, column 30\): not valid JSON"),
+        ("no tokenizer files", lambda d: [(d / n).unlink() for n in ("tokenizer.json", "tokenizer_config.json")], r"\(\w+Error: "),
+        ("a template that does not parse", lambda d: (d / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }"), r"\(TemplateSyntaxError: "),
+    ],
+)  # fmt: skip
+def test_a_tokenizer_that_cannot_render_a_prompt_is_named_at_the_runs_start(tmp_path, target_dir, case, edit, expected):
+    """Each was a traceback (or every prompt rejected) in generation's job after its engine started."""
+    import shutil
+
+    from snakemake.exceptions import WorkflowError
+
+    from eagle3_pipeline import snakemake_adapter
+    from eagle3_pipeline.target_model import tokenizer_problem
+
+    d = tmp_path / "t"
+    shutil.copytree(target_dir, d)
+    assert tokenizer_problem(d) is None
+    edit(d)
+    why = tokenizer_problem(d)
+    assert why is not None and why.startswith(str(d)) and re.search(expected, why), why
+    assert "Copy the tokenizer files and chat template of the checkpoint again" in why
+    pending = [{"rule": "generate_traces"}]
+    with pytest.raises(WorkflowError, match=expected + r".*Checked at the run's start: nothing was run"):
+        snakemake_adapter.check_target_at_start(pending, {"target": {"trust_remote_code": False}, "max_seq_len": 512}, str(d))
+
+
+def test_target_path_mistakes_are_named(tmp_path, target_dir, monkeypatch):
+    """A file for the folder, a path with ~, a tokenizer_config.json that is not JSON (a traceback from
+    rules/common.smk, found by corrupting it), GPT-2's n_layer for num_hidden_layers."""
+    import shutil
+
+    from transformers import GPT2Config
+
+    from eagle3_pipeline.io import InputError
+    from eagle3_pipeline.target_model import check_target_dir, target_shape
+
+    with pytest.raises(InputError, match=r"target\.path .*config\.json is a file; set target\.path to the model folder"):
+        check_target_dir(target_dir / "config.json")
+    monkeypatch.setenv("HOME", str(target_dir.parent))
+    assert check_target_dir(f"~/{target_dir.name}") == target_dir
+    d = tmp_path / "t"
+    shutil.copytree(target_dir, d)
+    (d / "chat_template.jinja").unlink()
+    (d / "tokenizer_config.json").write_text('{"chat_template": ')
+    with pytest.raises(InputError, match=r"tokenizer_config\.json \(line 1, column 19\): not valid JSON"):
+        check_target_dir(d)
+    GPT2Config(n_layer=5, n_embd=32, n_head=2, vocab_size=300).save_pretrained(tmp_path / "gpt2")
+    assert "num_hidden_layers" not in json.loads((tmp_path / "gpt2" / "config.json").read_text())
+    assert target_shape(tmp_path / "gpt2") == (5, 300)

@@ -288,13 +288,16 @@ def test_incomplete_outputs_are_those_a_killed_snakemake_left(tmp_path):
         assert incomplete_outputs(wf._workflow) == {"b.txt"}
 
 
-def test_a_target_the_engine_cannot_take_stops_the_run_before_any_job(tmp_path):
-    """onstart: a Gemma-3 target (vLLM's class has no EAGLE-3 support) and a target whose context is shorter
-    than max_seq_len stop the run before any job, also before prepare_prompts (on a cluster: before
+def test_a_target_the_engine_cannot_take_stops_the_run_before_any_job(tmp_path, target_dir):
+    """onstart: a Gemma-3 target (vLLM's class has no EAGLE-3 support), a target whose context is shorter
+    than max_seq_len, one whose tokenizer.json is cut short and one whose config.json has more layers
+    than its weights stop the run before any job, also before prepare_prompts (on a cluster: before
     anything is queued), naming the target and what to do; `-n` still only plans."""
+    import shutil
+
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
@@ -308,13 +311,27 @@ def test_a_target_the_engine_cannot_take_stops_the_run_before_any_job(tmp_path):
     cfg.vocab_size, cfg.max_position_embeddings = 16000, 512
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.save_pretrained(short)
-    for target in (gemma3, short):
+    notok = tmp_path / "notok"
+    cfg.max_position_embeddings = 4096
+    cfg.save_pretrained(notok)
+    for target in (gemma3, short, notok):
         # the DAG lists the weights and the template; the check reads the config (vLLM: and the weights' header)
         save_file({"lm_head.weight": torch.zeros(2, 2)}, target / "model.safetensors")
-        (target / "chat_template.jinja").write_text("{{ messages }}")
+    mismatch = tmp_path / "mismatch"  # whole weights of 8 layers; config.json then says 9
+    cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=2)
+    cfg.vocab_size, cfg.architectures = 16000, ["LlamaForCausalLM"]
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(mismatch)
+    (mismatch / "config.json").write_text(json.dumps(json.loads((mismatch / "config.json").read_text()) | {"num_hidden_layers": 9}))
+    for target in (gemma3, short, notok, mismatch):
+        for f in target_dir.iterdir():  # a tokenizer that renders prompts
+            if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+                shutil.copy(f, target)
+    (notok / "tokenizer.json").write_text((target_dir / "tokenizer.json").read_text()[:1000])
     for target, says in (
         (gemma3, "Gemma3ForCausalLM has no EAGLE-3 support"),
         (short, "max_seq_len"),
+        (notok, "tokenizer.json (line "),
+        (mismatch, "config.json has 9 hidden layers; no weights for layer(s) 8 "),
     ):
         run = tmp_path / target.name
         conf = tmp_path / f"{target.name}.yaml"

@@ -67,9 +67,11 @@ def check_eagle3_target(target_path: str, trust_remote_code: bool = False, max_s
 
     Raises:
         InputError: a weights file cannot be read (:func:`eagle3_pipeline.target_model.weight_file_problems`:
-            a truncated safetensors header, a shard the index names missing), transformers cannot
+            a truncated safetensors header or torch zip, a shard the index names missing), transformers cannot
             read the target's config (a value it rejects, an
-            unknown model type, or model code not trusted), vLLM knows none of its
+            unknown model type, or model code not trusted), the config's layer count or hidden size
+            is not the weights' (:func:`eagle3_pipeline.target_model.weights_config_problems`),
+            vLLM knows none of its
             architectures, the class has no EAGLE-3 support, vLLM cannot build its model
             config from the target's, or ``max_seq_len`` exceeds the context length; the
             message names the file or architecture, the versions and what to do.
@@ -81,7 +83,7 @@ def check_eagle3_target(target_path: str, trust_remote_code: bool = False, max_s
     from vllm.model_executor.models.interfaces import supports_eagle3
 
     from .io import InputError
-    from .target_model import read_config_json, weight_file_problems
+    from .target_model import read_config_json, text_config, weight_file_problems, weights_config_problems
 
     declared = read_config_json(target_path)
     if broken := weight_file_problems(target_path):
@@ -112,6 +114,14 @@ def check_eagle3_target(target_path: str, trust_remote_code: bool = False, max_s
             f"{target_path}: vLLM {vllm.__version__}'s {arch} has no EAGLE-3 support (its class does not hand the drafter "
             "aux hidden states), so a drafter for it can be neither evaluated nor served with vLLM's eagle3 method; "
             "use a vLLM version whose model class supports EAGLE-3 (SupportsEagle3)"
+        )
+    tc = text_config(target_path, trust_remote_code)
+    if mismatch := weights_config_problems(
+        target_path, tc.num_hidden_layers, tc.hidden_size, getattr(tc, "num_nextn_predict_layers", 0) or 0
+    ):
+        raise InputError(
+            f"{target_path}: config.json does not match the weights:\n  " + "\n  ".join(mismatch) + "\n"
+            "config.json and the weights must come from one checkpoint: copy its config.json again (or the weights)"
         )
     target_context(target_path, trust_remote_code, max_seq_len)
     if (why := eagle3_platform_limit(target_path, trust_remote_code)) is not None:

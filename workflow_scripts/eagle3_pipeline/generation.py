@@ -581,8 +581,9 @@ def run_generation_shard(
         the summary written to ``out["summary"]``.
 
     Raises:
-        InputError: every prompt of the shard was rejected, or the installed vLLM cannot draft
-            for the target with EAGLE-3 (:func:`eagle3_pipeline.engine.check_eagle3_target`).
+        InputError: every prompt of the shard was rejected, the installed vLLM cannot draft
+            for the target with EAGLE-3 (:func:`eagle3_pipeline.engine.check_eagle3_target`), or
+            its tokenizer cannot render a chat prompt (:func:`eagle3_pipeline.target_model.tokenizer_problem`).
         ValueError: fewer GPUs visible than the replicas need.
         RuntimeError: a replica failed (finished chunks are kept).
     """
@@ -590,10 +591,12 @@ def run_generation_shard(
     from .engine import check_eagle3_target
     from .io import file_stat, read_jsonl, sha256_file, sha256_json, write_jsonl_atomic
     from .shard_job import ShardJob, ShardRun, run_shard_job
-    from .target_model import model_fingerprint
+    from .target_model import model_fingerprint, tokenizer_problem
 
     # the first stage fails for a target the evaluation's vLLM could not draft for, not the last
     check_eagle3_target(target, params["trust_remote_code"], params["max_seq_len"])
+    if (why := tokenizer_problem(target, params["trust_remote_code"])) is not None:
+        raise InputError(why)
     records = sorted(read_jsonl(prompts_path), key=lambda r: r["id"])
     model = {"path": target, "fingerprint": model_fingerprint(target)}
     # runtime settings (data-parallel layout, ...) do not change the traces: a resume may use

@@ -250,10 +250,12 @@ def check_target_at_start(jobs: list[dict], config: dict, target_dir: str | None
     (as :func:`needrun_jobs` lists them),
     :func:`eagle3_pipeline.engine.check_eagle3_target` as generation's job runs it (vLLM's model class
     for the architecture and its EAGLE-3 support, vLLM's model config of the target, the context
-    against ``max_seq_len``). A target the engine cannot take then stops the run here, not in a GPU
-    job after the prompts were prepared. Left to generation's job (which checks again either way):
+    against ``max_seq_len``, the config against the weights), and
+    :func:`eagle3_pipeline.target_model.tokenizer_problem` (the tokenizer renders a chat prompt).
+    A target the engine cannot take then stops the run here, not in a GPU job after the prompts
+    were prepared. Left to generation's job (which checks again either way):
     the embedded target (``target_dir`` None: a job makes it), a run with no generation pending, and
-    a machine where vLLM finds no platform (a cluster's login node without GPUs, where its model
+    (for vLLM's checks; the tokenizer is checked there too) a machine where vLLM finds no platform (a cluster's login node without GPUs, where its model
     config is not the GPU node's). Importing vLLM takes 5-8 s of the run's start.
 
     Raises:
@@ -264,6 +266,10 @@ def check_target_at_start(jobs: list[dict], config: dict, target_dir: str | None
 
     if target_dir is None or not any(j["rule"] == "generate_traces" for j in jobs):
         return
+    from .target_model import tokenizer_problem
+
+    if (why := tokenizer_problem(target_dir, config["target"]["trust_remote_code"])) is not None:
+        raise WorkflowError(f"{why}. (Checked at the run's start: nothing was run.)")
     from vllm.platforms import current_platform
 
     from .engine import check_eagle3_target

@@ -85,7 +85,9 @@ def check_target_dir(path: str | os.PathLike) -> Path:
         InputError: the directory, its ``config.json`` or its weights are missing, or
             the tokenizer has no chat template (the pipeline renders chats with it).
     """
-    p = Path(path)
+    p = Path(path).expanduser()
+    if p.is_file():
+        raise InputError(f"target.path {p} is a file; set target.path to the model folder that holds config.json and the weights")
     if not p.is_dir():
         raise InputError(f"target model directory {p} does not exist; set target.path to a local Hugging Face model directory")
     if not (p / "config.json").is_file():
@@ -94,7 +96,7 @@ def check_target_dir(path: str | os.PathLike) -> Path:
         raise InputError(f"{p} has no weights (*.safetensors or *.bin)")
     has_template = (p / "chat_template.jinja").is_file() or (p / "chat_template.json").is_file()
     if not has_template and (p / "tokenizer_config.json").is_file():
-        has_template = bool(json.loads((p / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template"))
+        has_template = bool(read_json_object(p / "tokenizer_config.json").get("chat_template"))
     if not has_template:
         raise InputError(
             f"{p} has no chat template (chat_template.jinja or tokenizer_config.json:chat_template); "
@@ -106,8 +108,13 @@ def check_target_dir(path: str | os.PathLike) -> Path:
 def weight_file_problems(path: str | os.PathLike) -> list[str]:
     """What keeps the target's weights files from being read, one line each: a ``*.safetensors``
     file whose header does not parse (an empty, truncated or partly copied file; only the header
-    is read, with ``safetensors.safe_open``), and a file ``model.safetensors.index.json`` names that
-    is missing. An empty list when there is nothing to say (``*.bin`` weights are not read)."""
+    is read, with ``safetensors.safe_open``), a ``*.bin`` file that is empty or, in torch's zip
+    format (``torch.save`` since torch 1.6), has no readable zip directory (a truncated copy; only
+    the directory at its end is read, with ``zipfile``), and a file that
+    ``model.safetensors.index.json`` or ``pytorch_model.bin.index.json`` names that is missing. An
+    empty list when there is nothing to say."""
+    import zipfile
+
     from safetensors import safe_open
 
     p = Path(path)
@@ -118,8 +125,19 @@ def weight_file_problems(path: str | os.PathLike) -> list[str]:
                 pass
         except Exception as e:  # noqa: BLE001 - the library's error for any unreadable header
             out.append(f"{f}: not a readable safetensors file ({type(e).__name__}: {' '.join(str(e).split())[:200]})")
-    index = p / "model.safetensors.index.json"
-    if index.is_file():
+    for f in sorted(p.glob("*.bin")):
+        with open(f, "rb") as fh:
+            magic = fh.read(2)
+        if not magic:
+            out.append(f"{f}: empty")
+        elif magic == b"PK":  # torch's zip format; the legacy pickle format has no directory to check
+            try:
+                zipfile.ZipFile(f).close()
+            except (zipfile.BadZipFile, OSError) as e:
+                out.append(f"{f}: not a readable torch checkpoint (its zip directory: {e})")
+    for index in (p / "model.safetensors.index.json", p / "pytorch_model.bin.index.json"):
+        if not index.is_file():
+            continue
         try:
             named = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -127,6 +145,73 @@ def weight_file_problems(path: str | os.PathLike) -> list[str]:
         else:
             out += [f"{p / n}: named by {index.name}, missing" for n in named if not (p / n).is_file()]
     return out
+
+
+def weights_config_problems(path: str | os.PathLike, num_hidden_layers: int, hidden_size: int, extra_layers: int = 0) -> list[str]:
+    """Where a target's safetensors weights disagree with its config (a config.json edited or
+    copied from another checkpoint), one line each, read from the files' headers only
+    (``safetensors.safe_open``; the index's ``weight_map`` for its tensor names):
+
+    - the decoder layers: the weights must hold layers ``0 .. num_hidden_layers - 1`` under the
+      prefix of the token embedding (``<prefix>embed_tokens.weight``, e.g. ``model.`` or
+      ``model.language_model.``), and none past ``num_hidden_layers + extra_layers`` (DeepSeek-V3's
+      multi-token-prediction layer is stored as layer ``num_hidden_layers``: pass
+      ``num_nextn_predict_layers``);
+    - the hidden size: the embedding's columns (a 2-D float tensor; packed quantized embeddings
+      are not compared).
+
+    vLLM's weight loading fails on either ("weights were not initialized from checkpoint", a
+    parameter it has no place for), inside the engine. Empty where there is nothing to say: no
+    safetensors files, unreadable ones (:func:`weight_file_problems` names those), or no
+    ``embed_tokens`` weight to find the layers by.
+    """
+    import re
+
+    from safetensors import safe_open
+
+    p = Path(path)
+    index = p / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            where = {n: p / f for n, f in json.loads(index.read_text(encoding="utf-8"))["weight_map"].items()}
+        else:
+            where = {}
+            for f in sorted(p.glob("*.safetensors")):
+                with safe_open(str(f), framework="np") as h:
+                    where |= dict.fromkeys(h.keys(), f)
+        embeds = sorted((n for n in where if n.endswith("embed_tokens.weight")), key=len)
+        if not embeds:
+            return []
+        embed = embeds[0]
+        with safe_open(str(where[embed]), framework="np") as h:
+            piece = h.get_slice(embed)
+            shape, dtype = piece.get_shape(), piece.get_dtype()
+    except Exception:  # noqa: BLE001 - unreadable files are weight_file_problems' to name
+        return []
+    prefix = embed[: -len("embed_tokens.weight")]
+    pattern = re.compile(re.escape(prefix) + r"layers\.(\d+)\.")
+    layers = {int(m.group(1)) for n in where if (m := pattern.match(n))}
+    out = []
+    if layers:
+        held = f"the weights hold layers {min(layers)} to {max(layers)} under {prefix}layers"
+        if missing := [i for i in range(num_hidden_layers) if i not in layers]:
+            out.append(f"config.json has {num_hidden_layers} hidden layers; no weights for layer(s) {_ranges(missing)} ({held})")
+        if extra := sorted(i for i in layers if i >= num_hidden_layers + extra_layers):
+            out.append(f"config.json has {num_hidden_layers} hidden layers; weights for layer(s) {_ranges(extra)} too ({held})")
+    if len(shape) == 2 and dtype in ("F16", "BF16", "F32") and shape[1] != hidden_size:
+        out.append(f"config.json has hidden_size {hidden_size}; the token embedding {embed} is {shape[0]} x {shape[1]}")
+    return out
+
+
+def _ranges(ids: list[int]) -> str:
+    """Sorted ints as runs: ``[3, 4, 5, 9]`` -> ``"3-5, 9"``."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def model_fingerprint(path: str | os.PathLike, full_hash_limit_bytes: int = 64 << 20) -> str:
@@ -174,6 +259,36 @@ def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
         logger.info("%s: tokenizer.json is byte-level BPE, not the LlamaTokenizer its config names: loading it as it is", path)
         tok = PreTrainedTokenizerFast.from_pretrained(str(path))
     return tok
+
+
+def tokenizer_problem(path: str | os.PathLike, trust_remote_code: bool = False) -> str | None:
+    """Why the target's tokenizer cannot render a prompt, or None: it is loaded
+    (:func:`load_tokenizer`) and its chat template renders one user turn with the generation
+    prompt, as generation renders every prompt. Catches missing, truncated or corrupt tokenizer
+    files and a template that does not parse, which otherwise stop generation's job after its
+    engine started (or reject every prompt). The message names the file that is not JSON (line
+    and column), or the files the folder has."""
+    p = Path(path)
+    again = "Copy the tokenizer files and chat template of the checkpoint again"
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (p / name).is_file():
+            try:
+                read_json_object(p / name)
+            except InputError as e:
+                return f"{e}. {again}"
+    try:
+        tok = load_tokenizer(p, trust_remote_code)
+        tok.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # noqa: BLE001 - a file it cannot parse, files it lacks, a template that does not render
+        files = sorted(
+            f.name for f in p.iterdir() if f.name.startswith(("tokenizer", "chat_template", "special_tokens", "vocab", "merges"))
+        )
+        text = " ".join(str(e).split())
+        return (
+            f"{p}: its tokenizer cannot render a chat prompt ({type(e).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}); "
+            f"tokenizer files there: {', '.join(files) or 'none'}. {again}"
+        )
+    return None
 
 
 def _byte_level(tokenizer_json: Path) -> bool:
@@ -224,14 +339,22 @@ def read_config_json(path: str | os.PathLike) -> dict:
     """A model folder's ``config.json`` as a dict, read as plain JSON (no transformers import).
 
     Raises:
+        InputError: as :func:`read_json_object`.
+    """
+    return read_json_object(Path(path) / "config.json")
+
+
+def read_json_object(f: Path) -> dict:
+    """A model folder's JSON file (``config.json``, ``tokenizer_config.json``) as a dict.
+
+    Raises:
         InputError: it is missing or unreadable, is not valid JSON (the line and column named),
             or is not a JSON object.
     """
-    f = Path(path) / "config.json"
     try:
         cfg = json.loads(f.read_text(encoding="utf-8"))
     except OSError as e:
-        raise InputError(f"{f}: cannot read it ({e.strerror or e}); a model folder needs its config.json") from None
+        raise InputError(f"{f}: cannot read it ({e.strerror or e}); a model folder needs its {f.name}") from None
     except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
         where = f" (line {e.lineno}, column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
         raise InputError(f"{f}{where}: not valid JSON: {getattr(e, 'msg', e)}; fix or replace the file") from None
@@ -252,13 +375,24 @@ def target_shape(path: str | os.PathLike) -> tuple[int, int]:
     cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     shape = []
     for key in ("num_hidden_layers", "vocab_size"):
-        if key not in cfg:
-            raise InputError(f"{path}/config.json has no {key}")
-        value = cfg[key]
+        value = cfg[key] if key in cfg else _config_alias(path, key)
+        if value is None:
+            raise InputError(f"{path}/config.json has no {key} (nor a name transformers reads as it, e.g. GPT-2's n_layer)")
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise InputError(f"{path}/config.json: {key} is {value!r}, not a positive integer")
         shape.append(value)
     return shape[0], shape[1]
+
+
+def _config_alias(path: str | os.PathLike, key: str):
+    """``key`` of the target's text config under another name its transformers config class maps
+    to it (``attribute_map``: GPT-2 writes ``n_layer`` for ``num_hidden_layers``); None where
+    transformers cannot load the config or has no such attribute. Imports transformers, which
+    :func:`target_shape` otherwise does not: only a config.json without the plain key gets here."""
+    try:
+        return getattr(text_config(path), key, None)
+    except Exception:  # noqa: BLE001 - any config transformers cannot load: the caller names the missing key
+        return None
 
 
 def configured_target_dir(target_path: str) -> str:
