@@ -24,6 +24,7 @@ rule plan:
         "../envs/cpu.yaml"
     params:
         target_dir=get_target_dir(),
+        user_target_dir=None if is_builtin_target() else get_target_dir(),
         run_dir=layout.dir,
         bench_dir=layout.bench_dir,
         plan_json=layout.plan_preview(),

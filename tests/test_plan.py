@@ -439,7 +439,7 @@ def test_snakemake_plan_writes_the_plan_without_running_anything(tmp_path):
     )
     assert r.returncode == 0, r.stderr + r.stdout
     plan = json.loads((wd / "results/default/plan.json").read_text())
-    assert plan["kind"] == "preview"
+    assert plan["kind"] == "preview" and plan["refused_at_start"] is None  # the embedded target: a job makes it
     assert [s["stage"] for s in plan["stages"]] == ["generate_traces", "extract_hidden_states", "train_drafter", "evaluate_drafter"]
     assert not any(s["done"] for s in plan["stages"])
     assert plan["total_seconds"] == pytest.approx(sum(s["seconds"] for s in plan["stages"]))

@@ -346,3 +346,8 @@ def test_a_target_the_engine_cannot_take_stops_the_run_before_any_job(tmp_path, 
             -3000:
         ]
         assert "rule prepare_prompts" not in out and not (run / "results").exists() and not (run / "logs").exists()
+    # `snakemake plan` says it before the user starts the run (and still plans)
+    r = snakemake(*args, "plan")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "A run with this config would stop at its start, before any job:\n" in r.stderr and says in r.stderr
+    assert json.loads((run / "results/r/plan.json").read_text())["refused_at_start"].startswith(f"{target}: ")
