@@ -103,7 +103,10 @@ def check_eagle3_target(target_path: str, trust_remote_code: bool = False, max_s
     if isinstance(archs, str):
         archs = [archs]
     if not archs:
-        raise InputError(f"{target_path}/config.json names no architectures; vLLM cannot pick a model class for it")
+        raise InputError(
+            f"{target_path}/config.json names no architectures; vLLM cannot pick a model class for it: add the checkpoint's "
+            'own, e.g. "architectures": ["LlamaForCausalLM"] (its original config.json has it)'
+        )
     arch = next((a for a in archs if a in ModelRegistry.models), None)
     if arch is None:
         raise InputError(
