@@ -685,6 +685,7 @@ def test_a_torch_checkpoint_cut_short_or_empty_is_named(tmp_path):
     [
         ("tokenizer.json cut short", lambda d: (d / "tokenizer.json").write_text('{"version": "1.0", "model": {'), r"tokenizer\.json \(line 1, column 30\): not valid JSON"),
         ("no tokenizer files", lambda d: [(d / n).unlink() for n in ("tokenizer.json", "tokenizer_config.json")], r"\(\w+Error: "),
+        ("generation_config.json cut short", lambda d: (d / "generation_config.json").write_text('{"eos_token_id": [1, '), r"generation_config\.json \(line 1, column 22\): not valid JSON"),
         ("a template that does not parse", lambda d: (d / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }"), r"\(TemplateSyntaxError: "),
     ],
 )  # fmt: skip

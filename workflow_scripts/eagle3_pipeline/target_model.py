@@ -266,11 +266,13 @@ def tokenizer_problem(path: str | os.PathLike, trust_remote_code: bool = False) 
     (:func:`load_tokenizer`) and its chat template renders one user turn with the generation
     prompt, as generation renders every prompt. Catches missing, truncated or corrupt tokenizer
     files and a template that does not parse, which otherwise stop generation's job after its
-    engine started (or reject every prompt). The message names the file that is not JSON (line
-    and column), or the files the folder has."""
+    engine started (or reject every prompt). ``generation_config.json`` is parsed too: vLLM takes
+    the answers' stop tokens from it (Llama-3's ``eos_token_id`` list) and, finding it unreadable,
+    goes on without them, so answers would run to ``max_tokens``. The message names the file that
+    is not JSON (line and column), or the files the folder has."""
     p = Path(path)
     again = "Copy the tokenizer files and chat template of the checkpoint again"
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         if (p / name).is_file():
             try:
                 read_json_object(p / name)
