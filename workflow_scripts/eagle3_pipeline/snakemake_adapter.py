@@ -246,17 +246,8 @@ def check_pending_inputs(jobs: list[dict]) -> None:
 
 def check_target_at_start(jobs: list[dict], config: dict, target_dir: str | None) -> None:
     """The ``onstart`` hook's check of the target (:func:`on_start`), before any job runs (through a
-    cluster profile, before any job is queued): when a ``generate_traces`` job is among ``jobs``
-    (as :func:`needrun_jobs` lists them),
-    :func:`eagle3_pipeline.engine.check_eagle3_target` as generation's job runs it (vLLM's model class
-    for the architecture and its EAGLE-3 support, vLLM's model config of the target, the context
-    against ``max_seq_len``, the config against the weights), and
-    :func:`eagle3_pipeline.target_model.tokenizer_problem` (the tokenizer renders a chat prompt).
-    A target the engine cannot take then stops the run here, not in a GPU job after the prompts
-    were prepared. Left to generation's job (which checks again either way):
-    the embedded target (``target_dir`` None: a job makes it), a run with no generation pending, and
-    (for vLLM's checks; the tokenizer is checked there too) a machine where vLLM finds no platform (a cluster's login node without GPUs, where its model
-    config is not the GPU node's). Importing vLLM takes 5-8 s of the run's start.
+    cluster profile, before any job is queued): :func:`target_problem_at_start`. A target the engine
+    cannot take then stops the run here, not in a GPU job after the prompts were prepared.
 
     Raises:
         snakemake.exceptions.WorkflowError: the check's error (naming the target, its architecture,
@@ -264,23 +255,40 @@ def check_target_at_start(jobs: list[dict], config: dict, target_dir: str | None
     """
     from snakemake.exceptions import WorkflowError
 
+    if (why := target_problem_at_start(jobs, config, target_dir)) is not None:
+        raise WorkflowError(f"{why}. (Checked at the run's start: nothing was run.)")
+
+
+def target_problem_at_start(jobs: list[dict], config: dict, target_dir: str | None) -> str | None:
+    """Why a run of ``jobs`` (as :func:`needrun_jobs` lists them) would be refused at its start, or
+    None: when a ``generate_traces`` job is among them,
+    :func:`eagle3_pipeline.target_model.tokenizer_problem` (the tokenizer renders a chat prompt)
+    and :func:`eagle3_pipeline.engine.check_eagle3_target` as generation's job runs it (vLLM's model
+    class for the architecture and its EAGLE-3 support, vLLM's model config of the target, the
+    context against ``max_seq_len``, the config against the weights). Used by the run's start
+    (:func:`check_target_at_start`) and by ``snakemake plan``. Left to generation's job (which
+    checks again either way): the embedded target (``target_dir`` None: a job makes it), a run
+    with no generation pending, and (for vLLM's checks; the tokenizer is checked there too) a
+    machine where vLLM finds no platform (a cluster's login node without GPUs, where its model
+    config is not the GPU node's). Importing vLLM takes 5-8 s."""
     if target_dir is None or not any(j["rule"] == "generate_traces" for j in jobs):
-        return
+        return None
     from .target_model import tokenizer_problem
 
     if (why := tokenizer_problem(target_dir, config["target"]["trust_remote_code"])) is not None:
-        raise WorkflowError(f"{why}. (Checked at the run's start: nothing was run.)")
+        return why
     from vllm.platforms import current_platform
 
     from .engine import check_eagle3_target
 
     if current_platform.is_unspecified():
         print("(vLLM finds no platform on this machine: the target is checked in generation's job)", file=sys.stderr)
-        return
+        return None
     try:
         check_eagle3_target(target_dir, config["target"]["trust_remote_code"], config["max_seq_len"])
     except InputError as e:
-        raise WorkflowError(f"{e}. (Checked at the run's start: nothing was run.)") from None
+        return str(e)
+    return None
 
 
 def print_start_plan(jobs: list[dict], config: dict, layout: RunLayout, target_dir: str | None) -> None:
