@@ -679,6 +679,10 @@ def test_the_onerror_hook_says_what_a_rerun_resumes_from(tmp_path, capsys):
     )
     print_resume_hint(_fake_workflow([], targets=("verify",)), lay)  # altered files: a rerun does not mend them
     assert capsys.readouterr().err == ""
+    print_resume_hint(_fake_workflow([], targets=("plan",)), lay)  # a run it refuses: nothing to resume
+    assert capsys.readouterr().err == ""
+    print_resume_hint(_fake_workflow([], targets=("plan", "all")), lay)
+    assert "Rerun the same command to resume" in capsys.readouterr().err
     store.remove()
     print_resume_hint(_fake_workflow([]), lay)
     assert "Rerun the same command to resume.\nEach job's log" in capsys.readouterr().err

@@ -346,8 +346,11 @@ def test_a_target_the_engine_cannot_take_stops_the_run_before_any_job(tmp_path, 
             -3000:
         ]
         assert "rule prepare_prompts" not in out and not (run / "results").exists() and not (run / "logs").exists()
-    # `snakemake plan` says it before the user starts the run (and still plans)
+    # `snakemake plan` says it before the user starts the run: it still plans, and fails
     r = snakemake(*args, "plan")
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode != 0, r.stderr[-3000:]
     assert "A run with this config would stop at its start, before any job:\n" in r.stderr and says in r.stderr
+    before, after = r.stderr.split("A run with this config would stop at its start")[:2]
+    assert "total (pending stages)" in before and "exits with status 1" in after
+    assert "Rerun the same command to resume" not in after  # nothing to resume
     assert json.loads((run / "results/r/plan.json").read_text())["refused_at_start"].startswith(f"{target}: ")

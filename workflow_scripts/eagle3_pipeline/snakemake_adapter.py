@@ -338,11 +338,12 @@ def on_start(workflow, config: dict, layout: RunLayout, target_dir: str | None) 
 
 def print_resume_hint(workflow, layout: RunLayout) -> None:
     """The ``onerror`` hook: after a failed or interrupted run, what it keeps and that rerunning
-    resumes (:func:`eagle3_pipeline.resume.kept_work`). Not after ``snakemake verify`` alone: its
-    failure names altered files, which a rerun does not mend."""
+    resumes (:func:`eagle3_pipeline.resume.kept_work`). Not after ``snakemake verify`` or
+    ``snakemake plan`` alone: the first fails on altered files, which a rerun does not mend, the
+    second on a run that would be refused at its start, which it has printed."""
     from .resume import kept_work
 
-    if target_rules(workflow) == {"verify"}:
+    if (targets := target_rules(workflow)) and targets <= {"verify", "plan"}:
         return
     try:
         kept = kept_work(layout.dir)
