@@ -294,3 +294,34 @@ def test_speedup_concurrencies_are_measured_in_ascending_order():
     assert validate_config({"evaluation": {"speedup": {"concurrency": [64, 1, 16]}}})["evaluation"]["speedup"]["concurrency"] == [1, 16, 64]
     with pytest.raises(ConfigError, match="non-unique"):
         validate_config({"evaluation": {"speedup": {"concurrency": [4, 4]}}})
+
+
+def test_the_same_settings_in_another_key_order_give_the_same_params():
+    # Snakemake compares params by repr, where a dict's key order shows: a prompt source written
+    # {path, type}, a section's keys in another order or a default written out must not rerun jobs
+    from eagle3_pipeline.config import job_settings, result_settings
+
+    a = {
+        "prompts": {"sources": [{"type": "file", "path": "/p.jsonl"}], "num_shards": 2},
+        "training": {"epochs": 2, "optimizer": "adamw"},
+        "vllm": {"extra_engine_args": {"block_size": 16, "kv_cache_dtype": "auto"}},
+        "sweep": {"variants": {"zz": {"training": {"epochs": 1, "ttt_steps": 2}}, "aa": {"vocab": {"draft_vocab_size": 256}}}},
+    }
+    lr = validate_config({})["training"]["lr"]
+    b = {
+        "sweep": {"variants": {"zz": {"training": {"ttt_steps": 2, "epochs": 1}}, "aa": {"vocab": {"draft_vocab_size": 256}}}},
+        "vllm": {"extra_engine_args": {"kv_cache_dtype": "auto", "block_size": 16}},
+        "training": {"lr": lr, "optimizer": "adamw", "epochs": 2},
+        "prompts": {"num_shards": 2, "sources": [{"path": "/p.jsonl", "type": "file"}]},
+    }
+    ca, cb = validate_config(a), validate_config(b)
+    assert repr(ca) == repr(cb)
+    assert repr(job_settings(ca)) == repr(job_settings(cb))
+    assert repr(result_settings(ca, "training")) == repr(result_settings(cb, "training"))
+    # sections in the schema's order, free keys sorted; the variants as written (reports list them so)
+    schema = yaml.safe_load((Path(__file__).parents[1] / "config" / "schema.yaml").read_text())
+    assert list(ca) == [k for k in schema["properties"] if k in ca]
+    assert list(ca["prompts"]["sources"][0]) == ["type", "path"]
+    assert list(ca["vllm"]["extra_engine_args"]) == ["block_size", "kv_cache_dtype"]
+    assert list(ca["sweep"]["variants"]) == ["zz", "aa"]
+    assert ca["training"]["epochs"] == 2 and ca["sweep"]["variants"]["zz"]["training"] == {"epochs": 1, "ttt_steps": 2}

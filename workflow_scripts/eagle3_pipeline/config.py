@@ -262,7 +262,8 @@ def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) 
             or ``vllm.replicas_per_gpu`` > 1 with a multi-GPU engine, or
             ``generation.answers_per_prompt`` > 1 with greedy decoding (temperature 0).
 
-    Normalized: ``evaluation.speedup.concurrency`` ascending.
+    Normalized: ``evaluation.speedup.concurrency`` ascending; every mapping's keys in one order
+    whatever order the config files wrote them in (:func:`canonical_order`).
     """
     schema = load_schema(schema_path)
     cfg = copy.deepcopy(config) if config else {}
@@ -292,7 +293,33 @@ def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) 
             f"but one engine spans tensor_parallel_size x pipeline_parallel_size = "
             f"{v['tensor_parallel_size'] * v['pipeline_parallel_size']} GPUs; set replicas_per_gpu to 1"
         )
-    return cfg
+    return canonical_order(cfg, schema)
+
+
+def canonical_order(value, schema: dict):
+    """``value`` (a validated config or part of it) with every mapping's keys in one order: a
+    section's keys in ``config/schema.yaml``'s order, keys the schema does not list (the free
+    mapping ``vllm.extra_engine_args``) sorted; list items in their order, each ordered by the
+    schema's ``items``. The entries of ``sweep.variants`` keep the order they were written in
+    (the order runs and reports list them), each variant's own keys ordered.
+
+    Snakemake compares a job's params with those its outputs were made with by their ``repr``,
+    in which a dict's key order shows: the same settings written in another order (a prompt
+    source ``{path: p, type: file}``, a default written out in ``training:``) would rerun every
+    job that takes them.
+    """
+    if isinstance(value, list):
+        return [canonical_order(v, schema.get("items") or {}) for v in value]
+    if not isinstance(value, dict):
+        return value
+    props = schema.get("properties") or {}
+    extra = schema.get("additionalProperties")
+    extra = extra if isinstance(extra, dict) else {}
+    if props or not extra:
+        keys = [k for k in props if k in value] + sorted((k for k in value if k not in props), key=str)
+    else:  # a mapping of user-named entries, each with one schema (sweep.variants)
+        keys = list(value)
+    return {k: canonical_order(value[k], props.get(k, extra)) for k in keys}
 
 
 def _markdown_cell(text: str) -> str:
