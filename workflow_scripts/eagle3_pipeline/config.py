@@ -315,10 +315,9 @@ def canonical_order(value, schema: dict):
     props = schema.get("properties") or {}
     extra = schema.get("additionalProperties")
     extra = extra if isinstance(extra, dict) else {}
+    keys = list(value)  # a mapping of user-named entries, each with one schema (sweep.variants)
     if props or not extra:
         keys = [k for k in props if k in value] + sorted((k for k in value if k not in props), key=str)
-    else:  # a mapping of user-named entries, each with one schema (sweep.variants)
-        keys = list(value)
     return {k: canonical_order(value[k], props.get(k, extra)) for k in keys}
 
 
