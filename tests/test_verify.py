@@ -1,6 +1,7 @@
 """The verify target names missing, truncated and altered shards."""
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +60,7 @@ def test_snakemake_verify_prints_its_summary_on_the_console(tmp_path):
     r = snakemake_cli(wd, cfg, "--cores", "1", targets=("verify",), cwd=ROOT)
     assert r.returncode != 0
     assert "verify FAILED: 2 problem(s) in 1 trace and 1 hidden-state shards" in r.stderr
+    assert "Each file listed: remake it, and everything made from it, with `snakemake --forcerun <file>`" in r.stderr
     assert "Rerun the same command to resume" not in r.stderr + r.stdout  # a rerun does not mend altered files
 
 
@@ -111,7 +113,7 @@ def test_a_recorded_hash_is_trusted_only_while_the_file_is_unwritten(tmp_path, m
     with pytest.raises(InputError) as e:
         checked_sha256(f, digest, stat, "rec.json")
     assert f"{f}: its bytes differ from what its producer recorded in rec.json" in str(e.value)
-    assert f"sha256 {sha256_file(f)} on disk, {digest} recorded" in str(e.value) and "delete it and run the workflow again" in str(e.value)
+    assert f"sha256 {sha256_file(f)} on disk, {digest} recorded" in str(e.value) and f"`snakemake --forcerun {f}`" in str(e.value)
 
 
 def _train_small(tmp_path, shard, target_dir):
@@ -175,6 +177,8 @@ def test_a_directory_record_names_an_altered_or_missing_file(tmp_path):
     assert check_recorded_files(d) == {k: sha256_file(d / k) for k in rec}
     _flip_byte(d / "sub" / "model.safetensors", 3)
     with pytest.raises(InputError, match=r"sub/model.safetensors: its bytes differ from what its producer recorded in .*\.sha256\.json"):
+        check_recorded_files(d)
+    with pytest.raises(InputError, match=rf"`snakemake --forcerun {d}`"):  # the job's output is the directory
         check_recorded_files(d)
     (d / "sub" / "model.safetensors").unlink()
     with pytest.raises(InputError, match=r"model.safetensors: missing, but .*\.sha256\.json records it"):
@@ -300,3 +304,11 @@ def test_a_run_whose_inputs_were_altered_stops_before_snakemake_deletes_anything
     assert "input file(s) of pending jobs differ from what their producers recorded; nothing was run or deleted" in r.stderr
     assert "results/e2e/traces/shard-00001.jsonl: its bytes differ from what its producer recorded in" in r.stderr
     assert {p: p.stat().st_mtime_ns for p in kept} == kept
+    # the command it names reruns the shard's generation and everything made from it (deleting the file would not)
+    hint = "`snakemake --forcerun results/e2e/traces/shard-00001.jsonl` and the run's own options"
+    assert hint in r.stderr
+    r = snakemake_cli(wd, wd / "small.yaml", "-n", "--quiet", "rules", "--forcerun", "results/e2e/traces/shard-00001.jsonl", cwd=wd)
+    assert r.returncode == 0, r.stderr[-2000:]
+    jobs = dict(re.findall(r"^(\w+)\s+(\d+)$", r.stdout + r.stderr, re.M))
+    assert jobs.get("generate_traces") == "1" and jobs.get("extract_hidden_states") == "1", r.stdout + r.stderr
+    assert {"build_vocab_mapping", "train_drafter", "evaluate_drafter"} <= set(jobs) and "prepare_prompts" not in jobs

@@ -194,8 +194,20 @@ def file_stat(path: str | os.PathLike) -> dict:
     return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
 
 
-def read_record(path: str | os.PathLike) -> dict:
+def remake_hint(path: str | os.PathLike) -> str:
+    """How a user remakes ``path``, a file or directory the workflow wrote, and every output made
+    from it: Snakemake's ``--forcerun`` with the path (it reruns the job whose output it is, and
+    the jobs downstream). Deleting the file is not enough: where the outputs made from it are
+    present, Snakemake has nothing to rerun."""
+    return f"remake it, and everything made from it, with `snakemake --forcerun {path}` and the run's own options (--cores, --configfile)"
+
+
+def read_record(path: str | os.PathLike, output: str | os.PathLike | None = None) -> dict:
     """A producer's JSON record (an index, a summary, a ``.sha256.json``) as a dict.
+
+    Args:
+        output: the job output the record belongs to, named in the error's :func:`remake_hint`
+            (a directory's ``.sha256.json``: the directory); default ``path``.
 
     Raises:
         InputError: the file is not JSON or not an object, naming it and what to do.
@@ -203,9 +215,9 @@ def read_record(path: str | os.PathLike) -> dict:
     try:
         rec = read_json(path)
     except (OSError, ValueError) as e:
-        raise InputError(f"{path}: unreadable record ({e}); delete it and the file it describes, and run the workflow again") from None
+        raise InputError(f"{path}: unreadable record ({e}); {remake_hint(output or path)}") from None
     if not isinstance(rec, dict):
-        raise InputError(f"{path}: not a JSON object; delete it and the file it describes, and run the workflow again")
+        raise InputError(f"{path}: not a JSON object; {remake_hint(output or path)}")
     return rec
 
 
@@ -251,7 +263,9 @@ def note_checked(path: str | os.PathLike, sha256: str) -> None:
         pass
 
 
-def checked_sha256(path: str | os.PathLike, sha256: str | None, stat: dict | None, record: str) -> str:
+def checked_sha256(
+    path: str | os.PathLike, sha256: str | None, stat: dict | None, record: str, output: str | os.PathLike | None = None
+) -> str:
     """The SHA-256 a producer recorded for ``path``, after checking that the bytes on disk are those.
 
     When ``stat`` (the producer's :func:`file_stat`) or the stat a consumer noted after hashing it
@@ -264,6 +278,8 @@ def checked_sha256(path: str | os.PathLike, sha256: str | None, stat: dict | Non
         sha256: the hex SHA-256 its producer recorded.
         stat: the :func:`file_stat` recorded with it, or ``None``.
         record: the file holding the record (named in the error).
+        output: the job output ``path`` belongs to, named in the error's :func:`remake_hint` (a
+            file of a directory output: the directory); default ``path``.
 
     Returns:
         ``sha256``.
@@ -275,7 +291,7 @@ def checked_sha256(path: str | os.PathLike, sha256: str | None, stat: dict | Non
     if not sha256:
         raise InputError(
             f"{path}: {record} records no SHA-256 for it (written without a checksum, or by an older version): "
-            "delete the file and run the workflow again to remake it with one"
+            f"{remake_hint(output or path)}"
         )
     if unchanged_since_checked(path, sha256, stat):
         return sha256
@@ -285,8 +301,8 @@ def checked_sha256(path: str | os.PathLike, sha256: str | None, stat: dict | Non
         size = "" if not stat or stat.get("bytes") == now["bytes"] else f" ({now['bytes']} bytes, recorded {stat.get('bytes')})"
         raise InputError(
             f"{path}: its bytes differ from what its producer recorded in {record}{size}: sha256 {digest} on disk, "
-            f"{sha256} recorded. The file was altered or damaged after it was written: delete it and run the workflow "
-            "again, which remakes it and everything that read it (`snakemake verify` lists every such file)"
+            f"{sha256} recorded. The file was altered or damaged after it was written: {remake_hint(output or path)} "
+            "(`snakemake verify` lists every such file)"
         )
     note_checked(path, sha256)
     return sha256
@@ -358,20 +374,20 @@ def check_recorded_files(directory: str | os.PathLike, exhaustive: bool = False)
     if not rec_path.is_file():
         logging.getLogger(__name__).warning("%s: no record of its files (%s); not checked", root, FILES_RECORD)
         return None
-    record = read_record(rec_path)
+    record = read_record(rec_path, root)
     out = {}
     for rel, r in record.items():
         p = root / rel
         if not p.is_file():
-            raise InputError(f"{p}: missing, but {rec_path} records it; run the workflow again to remake {root}")
+            raise InputError(f"{p}: missing, but {rec_path} records it; {remake_hint(root)}")
         r = r if isinstance(r, dict) else {}
-        out[rel] = checked_sha256(p, r.get("sha256"), r.get("stat"), str(rec_path))
+        out[rel] = checked_sha256(p, r.get("sha256"), r.get("stat"), str(rec_path), root)
     extra = [p.relative_to(root).as_posix() for p in _recordable(root)] if exhaustive else []
     extra = [rel for rel in extra if rel not in record]
     if extra:
         raise InputError(
             f"{root}: {extra} are not among the files {rec_path} records (added after it was written); "
-            "remove them, or run the workflow again to remake the directory"
+            f"remove them, or {remake_hint(root)}"
         )
     return out
 

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from .generation import traces_summary_path
+from .io import remake_hint
 from .lineage import Hasher, check_manifest
 
 
@@ -147,7 +148,8 @@ def summary_lines(res: dict, manifest: str | None = None) -> list[str]:
             f"verify FAILED: {len(res['problems'])} problem(s) in {shards}"
             + (" and the run manifest" if res["manifest"] == "checked" else "")
         ]
-        return lines + [f"  {p}" for p in res["problems"]]
+        hint = f"Each file listed: {remake_hint('<file>')}; for a file inside a directory output (the drafter's), name the directory"
+        return lines + [f"  {p}" for p in res["problems"]] + [hint]
     lines = [f"verify ok: all {res['checked']} shards match their manifests: {shards}"]
     if res["manifest"] == "checked":
         lines.append(f"verify ok: every file in {manifest} matches ({res['manifest_entries']} entries re-hashed)")
