@@ -386,8 +386,7 @@ def check_recorded_files(directory: str | os.PathLike, exhaustive: bool = False)
     extra = [rel for rel in extra if rel not in record]
     if extra:
         raise InputError(
-            f"{root}: {extra} are not among the files {rec_path} records (added after it was written); "
-            f"remove them, or {remake_hint(root)}"
+            f"{root}: {extra} are not among the files {rec_path} records (added after it was written); remove them, or {remake_hint(root)}"
         )
     return out
 
