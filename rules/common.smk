@@ -77,10 +77,17 @@ def get_target_identity():
         return target_model.configured_target_identity(config["target"]["path"])
 
 
-def get_sources_digest(key, sources):
-    """Content digest of prompt sources for params (re-runs the rule that reads them on edits)."""
-    with workflow_errors(key):
-        return sources_digest(sources)
+def get_sources_digest(groups):
+    """Content digest of prompt sources for params (re-runs the rule that reads them on edits);
+    ``groups``: {config key: its sources}, a missing file named by its key."""
+    sources = [s for g in groups.values() for s in g]
+    keys = [
+        f"{k}[{i}].path" if k == "prompts.sources" else f"{k}.path"
+        for k, g in groups.items()
+        for i in range(len(g))
+    ]
+    with workflow_errors():
+        return sources_digest(sources, keys)
 
 
 def get_init_drafter_identity(cfg=None):

@@ -10,8 +10,10 @@ rule prepare_prompts:
     params:
         prompts=config["prompts"],
         sources_digest=get_sources_digest(
-            "prompts.sources",
-            config["prompts"]["sources"] + [config["evaluation"]["prompts"]],
+            {
+                "prompts.sources": config["prompts"]["sources"],
+                "evaluation.prompts": [config["evaluation"]["prompts"]],
+            }
         ),
         eval_prompts=config["evaluation"]["prompts"],
     script:
@@ -28,7 +30,7 @@ rule prepare_eval_prompts:
     params:
         source=config["evaluation"]["prompts"],
         source_digest=get_sources_digest(
-            "evaluation.prompts", [config["evaluation"]["prompts"]]
+            {"evaluation.prompts": [config["evaluation"]["prompts"]]}
         ),
         max_prompts=config["evaluation"]["max_prompts"],
     script:

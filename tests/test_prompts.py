@@ -272,3 +272,33 @@ def test_read_jsonl_names_file_line_and_column(tmp_path):
     p.write_text('{"id": 1}\n{"id": 2, "x": "no end\n')
     with pytest.raises(InputError, match=rf"{p}:2: invalid JSON: Unterminated string starting at column 16 .*cut off"):
         list(read_jsonl(p))
+
+
+def test_evaluation_turns_are_a_list_of_strings_or_one_string(tmp_path):
+    p = tmp_path / "eval.jsonl"
+    p.write_text(
+        json.dumps({"question_id": 1, "turns": "Explain relativity simply."})  # one turn, not 26 one-letter turns
+        + "\n"
+        + json.dumps({"question_id": 2, "turns": ["First?", "Then?"]})
+        + "\n"
+    )
+    qs = load_eval_questions({"type": "file", "path": str(p)})
+    assert [q["turns"] for q in qs] == [["Explain relativity simply."], ["First?", "Then?"]]
+    for bad in (["ok", 7], ["ok", "  "], {"a": "b"}, []):
+        p.write_text(json.dumps({"question_id": 1, "turns": ["fine"]}) + "\n" + json.dumps({"question_id": 2, "turns": bad}) + "\n")
+        with pytest.raises(InputError, match=rf"{p}:2: (\"turns\" must be a list of non-empty strings|no user turns)"):
+            load_eval_questions({"type": "file", "path": str(p)})
+
+
+def test_a_source_file_that_is_empty_or_missing_is_named_for_what_it_is(tmp_path):
+    from eagle3_pipeline.prompts import sources_digest
+
+    p = tmp_path / "p.jsonl"
+    p.write_text("\n  \n")
+    with pytest.raises(InputError, match=rf"the sources hold no records \({p}: empty or blank lines only\)"):
+        build_prompt_set([{"type": "file", "path": str(p)}])
+    ok = [{"type": "file", "path": str(p)}]
+    with pytest.raises(InputError, match=rf"^evaluation.prompts.path: {tmp_path / 'e.jsonl'} does not exist"):
+        sources_digest([*ok, {"type": "file", "path": str(tmp_path / "e.jsonl")}], ["prompts.sources[0].path", "evaluation.prompts.path"])
+    with pytest.raises(InputError, match=rf"^prompts.sources\[0\].path: {tmp_path} is a directory, not a file"):
+        sources_digest([{"type": "file", "path": str(tmp_path)}], ["prompts.sources[0].path"])

