@@ -325,3 +325,20 @@ def test_the_same_settings_in_another_key_order_give_the_same_params():
     assert list(ca["vllm"]["extra_engine_args"]) == ["block_size", "kv_cache_dtype"]
     assert list(ca["sweep"]["variants"]) == ["zz", "aa"]
     assert ca["training"]["epochs"] == 2 and ca["sweep"]["variants"]["zz"]["training"] == {"epochs": 1, "ttt_steps": 2}
+
+
+def test_a_device_is_auto_cpu_or_a_cuda_device_torch_sees():
+    import torch
+
+    from eagle3_pipeline.io import InputError
+    from eagle3_pipeline.precision import check_device_available
+
+    for key in ("training", "extraction"):
+        with pytest.raises(ConfigError, match=rf"{key}.device: 'gpu' does not match"):
+            validate_config({key: {"device": "gpu"}})
+        assert validate_config({key: {"device": "cuda:1"}})[key]["device"] == "cuda:1"
+    n = torch.cuda.device_count()
+    for device in ("auto", "cpu", *[f"cuda:{i}" for i in range(n)]):
+        check_device_available(device, "training.device")
+    with pytest.raises(InputError, match=rf"^extraction.device: 'cuda:{n}', but torch .* sees {n} CUDA device\(s\) on this host"):
+        check_device_available(f"cuda:{n}", "extraction.device")

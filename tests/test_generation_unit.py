@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from eagle3_pipeline.config import validate_config
 from eagle3_pipeline.evaluation import (
     acceptance_report,
     decode_throughput,
@@ -493,7 +494,7 @@ def test_a_target_whose_weights_files_cannot_be_read_is_refused_naming_each(tmp_
 def test_the_runs_start_checks_a_users_target_only_where_generation_is_pending_and_vllm_has_a_platform(
     tmp_path, monkeypatch, capsys, target_dir
 ):
-    """snakemake_adapter.check_target_at_start, the onstart hook (the CLI run is tests/test_workflow_dag.py)."""
+    """snakemake_adapter.check_at_start, the onstart hook (the CLI run is tests/test_workflow_dag.py)."""
     import shutil
 
     from snakemake.exceptions import WorkflowError
@@ -508,16 +509,16 @@ def test_the_runs_start_checks_a_users_target_only_where_generation_is_pending_a
     for f in target_dir.iterdir():  # a tokenizer that renders prompts (checked first)
         if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
             shutil.copy(f, tmp_path)
-    config = {"target": {"trust_remote_code": False}, "max_seq_len": 512}
+    config = validate_config({"max_seq_len": 512})
     pending = [{"rule": "prepare_prompts"}, {"rule": "generate_traces"}]
     with pytest.raises(WorkflowError, match=r"GPT2LMHeadModel has no EAGLE-3 support.*Checked at the run's start: nothing was run"):
-        snakemake_adapter.check_target_at_start(pending, config, str(tmp_path))
-    snakemake_adapter.check_target_at_start(pending, config, None)  # the embedded target: a job makes it
+        snakemake_adapter.check_at_start(pending, config, str(tmp_path))
+    snakemake_adapter.check_at_start(pending, config, None)  # the embedded target: a job makes it
     pending[1] = {"rule": "train_drafter"}  # generation done: its check ran then
-    snakemake_adapter.check_target_at_start(pending, config, str(tmp_path))
+    snakemake_adapter.check_at_start(pending, config, str(tmp_path))
     pending[1] = {"rule": "generate_traces"}
     monkeypatch.setattr(current_platform, "is_unspecified", lambda: True)  # a login node without GPUs
-    snakemake_adapter.check_target_at_start(pending, config, str(tmp_path))
+    snakemake_adapter.check_at_start(pending, config, str(tmp_path))
     assert "the target is checked in generation's job" in capsys.readouterr().err
 
 
@@ -707,7 +708,7 @@ def test_a_tokenizer_that_cannot_render_a_prompt_is_named_at_the_runs_start(tmp_
     assert "Copy the tokenizer files and chat template of the checkpoint again" in why
     pending = [{"rule": "generate_traces"}]
     with pytest.raises(WorkflowError, match=expected + r".*Checked at the run's start: nothing was run"):
-        snakemake_adapter.check_target_at_start(pending, {"target": {"trust_remote_code": False}, "max_seq_len": 512}, str(d))
+        snakemake_adapter.check_at_start(pending, {"target": {"trust_remote_code": False}, "max_seq_len": 512}, str(d))
 
 
 def test_target_path_mistakes_are_named(tmp_path, target_dir, monkeypatch):
@@ -733,3 +734,25 @@ def test_target_path_mistakes_are_named(tmp_path, target_dir, monkeypatch):
     GPT2Config(n_layer=5, n_embd=32, n_head=2, vocab_size=300).save_pretrained(tmp_path / "gpt2")
     assert "num_hidden_layers" not in json.loads((tmp_path / "gpt2" / "config.json").read_text())
     assert target_shape(tmp_path / "gpt2") == (5, 300)
+
+
+def test_a_training_loss_speculators_does_not_know_stops_the_run_at_its_start():
+    """training.loss is speculators' spec (a name or a JSON weighted combination): a typo failed in
+    train_drafter's job, after generation and extraction; now the run's start refuses it, for the
+    run's own training and for a sweep variant's."""
+    from snakemake.exceptions import WorkflowError
+
+    from eagle3_pipeline import snakemake_adapter
+
+    train = {"rule": "train_drafter", "stage": "train_drafter", "wildcards": {}}
+    ok = validate_config({"training": {"loss": '{"ce": 0.1, "tv": 0.9}'}, "sweep": {"variants": {"b": {"training": {"loss": "kl"}}}}})
+    assert snakemake_adapter.problem_at_start([train], ok, None) is None  # the variant's training is not pending
+    variant = {"rule": "train_drafter_variant", "stage": "train_drafter", "wildcards": {"variant": "b"}}
+    with pytest.raises(
+        WorkflowError, match=r"^sweep.variants.b.training.loss: 'kl' is not a loss speculators knows: .*kl_div.*nothing was run"
+    ):
+        snakemake_adapter.check_at_start([train, variant], ok, None)
+    for bad in ("foo", '{"ce": "x"}', '{"nope": 1}'):
+        why = snakemake_adapter.problem_at_start([train], validate_config({"training": {"loss": bad}}), None)
+        assert why is not None and why.startswith(f"training.loss: {bad!r} is not a loss speculators knows: "), why
+    assert snakemake_adapter.problem_at_start([{"rule": "generate_traces"}], validate_config({"training": {"loss": "foo"}}), None) is None

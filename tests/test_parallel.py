@@ -389,3 +389,23 @@ def test_an_engine_stops_in_its_gpus_turn(monkeypatch):
     lock.release()
     stopper.join(5)
     assert [e[0] for e in events] == ["start over", "stopped"]
+
+
+def test_extra_engine_args_may_not_set_what_the_workflow_sets(monkeypatch):
+    """vllm.extra_engine_args {max_model_len: 99} ran engines shorter than the max_seq_len the stages
+    plan for; every LLM argument build_llm and extraction set is refused there, naming its setting."""
+    import vllm
+
+    from eagle3_pipeline import engine
+    from eagle3_pipeline.config import ENGINE_ARGS_FROM_SETTINGS, ConfigError
+    from eagle3_pipeline.vllm_extraction import engine_overrides
+
+    got = []
+    monkeypatch.setattr(vllm, "LLM", lambda **kw: got.append(kw))
+    monkeypatch.setattr(engine, "on_cpu", lambda: False)
+    v = validate_config({"vllm": {"max_num_seqs": 8, "extra_engine_args": {"block_size": 32}}})["vllm"]
+    engine.build_llm("m", v, seed=0, max_model_len=64, **engine_overrides([2, 4]))
+    assert got[0]["block_size"] == 32  # an argument the workflow leaves alone passes through
+    assert set(got[0]) - {"block_size", "disable_log_stats"} <= set(ENGINE_ARGS_FROM_SETTINGS)
+    with pytest.raises(ConfigError, match=r"vllm.extra_engine_args.max_model_len is set by the workflow from max_seq_len; .*seed"):
+        validate_config({"vllm": {"extra_engine_args": {"max_model_len": 99, "seed": 1, "block_size": 32}}})

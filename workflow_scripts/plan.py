@@ -11,7 +11,7 @@ from pathlib import Path
 from eagle3_pipeline.io import write_json_atomic
 from eagle3_pipeline.plan import format_plan, plan_dict, plan_run
 from eagle3_pipeline.runtime import start_log
-from eagle3_pipeline.snakemake_adapter import dry_run_jobs, target_problem_at_start
+from eagle3_pipeline.snakemake_adapter import dry_run_jobs, problem_at_start
 
 if __name__ == "__main__":
     sm = snakemake  # noqa: F821 (injected by Snakemake)
@@ -22,7 +22,7 @@ if __name__ == "__main__":
     table = format_plan(stages, jobs)
     print(f"plan for run {sm.config['run']!r} on {platform}:\n{table}", file=sys.stderr, flush=True)  # the terminal
     # the run's start checks the target before any job: a plan says so now, not after the user starts it
-    if refused := target_problem_at_start(jobs, sm.config, sm.params.user_target_dir):
+    if refused := problem_at_start(jobs, sm.config, sm.params.user_target_dir):
         print(
             f"\nA run with this config would stop at its start, before any job:\n{refused}\n"
             f"(the plan is written to {sm.params.plan_json}; `snakemake plan` exits with status 1)",

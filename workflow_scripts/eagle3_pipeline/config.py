@@ -250,6 +250,27 @@ def _did_you_mean(error: jsonschema.ValidationError) -> str:
     return f" (did you mean {', '.join(hints)}?)" if hints else ""
 
 
+#: ``vllm.LLM`` arguments the workflow sets itself (:func:`eagle3_pipeline.engine.build_llm` and the
+#: stages' overrides), each with the setting it comes from: ``vllm.extra_engine_args`` may not
+#: set them, where it would silently override the setting (an ``extra_engine_args`` of
+#: ``max_model_len: 99`` ran engines shorter than the ``max_seq_len`` the stages plan for).
+ENGINE_ARGS_FROM_SETTINGS = {
+    "model": "target.path",
+    "trust_remote_code": "target.trust_remote_code",
+    "seed": "seed",
+    "max_model_len": "max_seq_len",
+    "tensor_parallel_size": "vllm.tensor_parallel_size",
+    "pipeline_parallel_size": "vllm.pipeline_parallel_size",
+    "enforce_eager": "vllm.enforce_eager",
+    "enable_prefix_caching": "vllm.enable_prefix_caching",
+    "dtype": "vllm.dtype",
+    "gpu_memory_utilization": "vllm.gpu_memory_utilization",
+    "max_num_seqs": "vllm.max_num_seqs",
+    "speculative_config": "evaluation (the drafter, num_speculative_tokens) and extraction (its hidden-state layers)",
+    "kv_transfer_config": "extraction's vllm backend (its hidden-state writer)",
+}
+
+
 def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) -> dict:
     """Return a copy of ``config`` with defaults filled in, after validating it.
 
@@ -260,7 +281,9 @@ def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) 
             ``training.lrr: Additional properties are not allowed ('lrr' was unexpected) (did you
             mean 'lr' for 'lrr'?)``,
             or ``vllm.replicas_per_gpu`` > 1 with a multi-GPU engine, or
-            ``generation.answers_per_prompt`` > 1 with greedy decoding (temperature 0).
+            ``generation.answers_per_prompt`` > 1 with greedy decoding (temperature 0), or a
+            ``vllm.extra_engine_args`` key the workflow sets from a setting
+            (:data:`ENGINE_ARGS_FROM_SETTINGS`).
 
     Normalized: ``evaluation.speedup.concurrency`` ascending; every mapping's keys in one order
     whatever order the config files wrote them in (:func:`canonical_order`).
@@ -287,6 +310,12 @@ def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) 
             "gives the same greedy answer every time; set temperature > 0 (e.g. 0.7, with top_p) or answers_per_prompt to 1"
         )
     v = cfg["vllm"]
+    if taken := [k for k in v["extra_engine_args"] if k in ENGINE_ARGS_FROM_SETTINGS]:
+        raise ConfigError(
+            "invalid configuration: "
+            + "; ".join(f"vllm.extra_engine_args.{k} is set by the workflow from {ENGINE_ARGS_FROM_SETTINGS[k]}" for k in taken)
+            + ": set those instead (config/README.md)"
+        )
     if v["replicas_per_gpu"] > 1 and v["tensor_parallel_size"] * v["pipeline_parallel_size"] > 1:
         raise ConfigError(
             f"invalid configuration: vllm.replicas_per_gpu {v['replicas_per_gpu']} shares a GPU between engines, "

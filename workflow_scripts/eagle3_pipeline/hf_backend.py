@@ -208,6 +208,7 @@ def extraction_replica(job: dict, rank: int, chunks) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from .io import write_json_atomic
+    from .precision import check_device_available
     from .resume import ChunkStore
     from .runtime import Timer
 
@@ -216,6 +217,7 @@ def extraction_replica(job: dict, rank: int, chunks) -> None:
     dtype = STORAGE_DTYPES[cfg["storage_dtype"]]
     compute_dtype = torch.bfloat16 if dtype == FP8 else dtype
     # a replica of several GPUs spreads the target's layers over them (device_map "auto")
+    check_device_available(cfg["device"], "extraction.device")
     device = "auto" if (cfg.get("gpus_per_replica") or 1) > 1 and cfg["device"] in ("auto", "cuda") else cfg["device"]
     load = Timer()
     model = load_hf_target(job["target"], device, job["trust_remote_code"])

@@ -61,3 +61,30 @@ def resolve_dtype(requested: str, device: str, what: str) -> str | None:
         return None
     logger.info("%s: auto -> float32 compute (this CPU has no fast bf16: no AVX-512; bf16 matmuls ran 64x slower on one)", what)
     return "float32"
+
+
+def check_device_available(device: str, key: str) -> None:
+    """Refuse a configured ``cuda`` / ``cuda:N`` device that torch does not see on this host, before
+    a model is loaded (torch's own error comes from deep inside the first ``.to()``: "Torch not
+    compiled with CUDA enabled" on a CPU build).
+
+    Args:
+        device: the configured device (``auto``, ``cpu``, ``cuda``, ``cuda:N``; the schema's pattern).
+        key: its config key, named in the error (``training.device``).
+
+    Raises:
+        InputError: ``device`` names a CUDA device beyond ``torch.cuda.device_count()``; the
+            message names the key, the host and what to set.
+    """
+    import socket
+
+    from .io import InputError
+
+    if not device.startswith("cuda"):
+        return
+    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    if index >= (n := torch.cuda.device_count()):
+        raise InputError(
+            f"{key}: {device!r}, but torch {torch.__version__} sees {n} CUDA device(s) on this host ({socket.gethostname()}): "
+            f"set {key} to auto (the GPU where there is one, else the CPU) or cpu, or run this job on a GPU node"
+        )

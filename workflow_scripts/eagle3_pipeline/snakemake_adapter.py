@@ -244,33 +244,68 @@ def check_pending_inputs(jobs: list[dict]) -> None:
         )
 
 
-def check_target_at_start(jobs: list[dict], config: dict, target_dir: str | None) -> None:
-    """The ``onstart`` hook's check of the target (:func:`on_start`), before any job runs (through a
-    cluster profile, before any job is queued): :func:`target_problem_at_start`. A target the engine
-    cannot take then stops the run here, not in a GPU job after the prompts were prepared.
+def check_at_start(jobs: list[dict], config: dict, target_dir: str | None) -> None:
+    """The ``onstart`` hook's check of the target and of the settings only a library can check
+    (:func:`on_start`), before any job runs (through a cluster profile, before any job is queued):
+    :func:`problem_at_start`. A target the engine cannot take, or a loss speculators does not
+    know, then stops the run here, not in a GPU job after the prompts were prepared.
 
     Raises:
-        snakemake.exceptions.WorkflowError: the check's error (naming the target, its architecture,
-            the versions and what to do); nothing was run.
+        snakemake.exceptions.WorkflowError: the check's error (naming the key or the target, its
+            architecture, the versions and what to do); nothing was run.
     """
     from snakemake.exceptions import WorkflowError
 
-    if (why := target_problem_at_start(jobs, config, target_dir)) is not None:
+    if (why := problem_at_start(jobs, config, target_dir)) is not None:
         raise WorkflowError(f"{why}. (Checked at the run's start: nothing was run.)")
 
 
-def target_problem_at_start(jobs: list[dict], config: dict, target_dir: str | None) -> str | None:
+def training_loss_problem(jobs: list[dict], config: dict) -> str | None:
+    """Why a pending training job's ``training.loss`` (the run's, or its sweep variant's) is not a
+    loss speculators knows (``speculators.losses.resolve_loss_config``: a name or a JSON weighted
+    combination), or None. The names are speculators', checked with its own parser; importing it
+    takes ~4 s, so this runs at the run's start when training is pending, not at every
+    ``snakemake -n``."""
+    losses = {}
+    for j in jobs:
+        if j.get("stage", j["rule"]) == "train_drafter":
+            v = j.get("wildcards", {}).get("variant")
+            key = f"sweep.variants.{v}.training.loss" if v else "training.loss"
+            losses[key] = _variant_config(config, v)["training"]["loss"] if v else config["training"]["loss"]
+    if not losses:
+        return None
+    from speculators.losses import resolve_loss_config
+
+    for key, loss in losses.items():
+        try:
+            resolve_loss_config(loss, "eager")
+        except ValueError as e:
+            return f"{key}: {loss!r} is not a loss speculators knows: {e}"
+    return None
+
+
+def _variant_config(config: dict, variant: str) -> dict:
+    """A sweep variant's full, validated config (:func:`eagle3_pipeline.sweep.variant_configs`)."""
+    from .sweep import variant_configs
+
+    return variant_configs(config)[variant]
+
+
+def problem_at_start(jobs: list[dict], config: dict, target_dir: str | None) -> str | None:
     """Why a run of ``jobs`` (as :func:`needrun_jobs` lists them) would be refused at its start, or
-    None: when a ``generate_traces`` job is among them,
+    None: a pending training job's loss speculators does not know (:func:`training_loss_problem`);
+    when a ``generate_traces`` job is among them,
     :func:`eagle3_pipeline.target_model.tokenizer_problem` (the tokenizer renders a chat prompt)
     and :func:`eagle3_pipeline.engine.check_eagle3_target` as generation's job runs it (vLLM's model
     class for the architecture and its EAGLE-3 support, vLLM's model config of the target, the
     context against ``max_seq_len``, the config against the weights). Used by the run's start
-    (:func:`check_target_at_start`) and by ``snakemake plan``. Left to generation's job (which
+    (:func:`check_at_start`) and by ``snakemake plan``. Left to generation's job (which
     checks again either way): the embedded target (``target_dir`` None: a job makes it), a run
     with no generation pending, and (for vLLM's checks; the tokenizer is checked there too) a
     machine where vLLM finds no platform (a cluster's login node without GPUs, where its model
     config is not the GPU node's). Importing vLLM takes 5-8 s."""
+    if (why := training_loss_problem(jobs, config)) is not None:
+        return why
     if target_dir is None or not any(j["rule"] == "generate_traces" for j in jobs):
         return None
     from .target_model import tokenizer_problem
@@ -320,7 +355,7 @@ def print_start_plan(jobs: list[dict], config: dict, layout: RunLayout, target_d
 
 def on_start(workflow, config: dict, layout: RunLayout, target_dir: str | None) -> None:
     """The ``onstart`` hook (rules/plan.smk), in order: :func:`check_pending_inputs`,
-    :func:`check_target_at_start`, :func:`keep_incomplete_finished_shards` and
+    :func:`check_at_start`, :func:`keep_incomplete_finished_shards` and
     :func:`print_start_plan`, over one list of the jobs Snakemake will run (:func:`needrun_jobs`;
     Snakemake's DAG is walked once). ``target_dir``: None for the embedded target.
 
@@ -331,7 +366,7 @@ def on_start(workflow, config: dict, layout: RunLayout, target_dir: str | None) 
     """
     jobs = needrun_jobs(workflow)
     check_pending_inputs(jobs)
-    check_target_at_start(jobs, config, target_dir)
+    check_at_start(jobs, config, target_dir)
     keep_incomplete_finished_shards(workflow, jobs)
     print_start_plan(jobs, config, layout, target_dir)
 

@@ -175,7 +175,15 @@ def split_items(
 
 
 def resolve_device(device: str) -> str:
-    """``"auto"`` → ``"cuda"`` when available, else ``"cpu"``."""
+    """``"auto"`` → ``"cuda"`` when available, else ``"cpu"``.
+
+    Raises:
+        InputError: ``device`` is a CUDA device torch does not see
+            (:func:`eagle3_pipeline.precision.check_device_available`).
+    """
+    from .precision import check_device_available
+
+    check_device_available(device, "training.device")
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
