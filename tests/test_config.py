@@ -342,3 +342,9 @@ def test_a_device_is_auto_cpu_or_a_cuda_device_torch_sees():
         check_device_available(device, "training.device")
     with pytest.raises(InputError, match=rf"^extraction.device: 'cuda:{n}', but torch .* sees {n} CUDA device\(s\) on this host"):
         check_device_available(f"cuda:{n}", "extraction.device")
+
+
+def test_min_completion_tokens_must_leave_room_for_a_prompt():
+    with pytest.raises(ConfigError, match=r"generation.min_completion_tokens 512 leaves no room for a prompt within max_seq_len 512"):
+        validate_config({"max_seq_len": 512, "generation": {"min_completion_tokens": 512}})
+    assert validate_config({"max_seq_len": 512, "generation": {"min_completion_tokens": 511}})["generation"]["min_completion_tokens"] == 511

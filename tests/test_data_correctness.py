@@ -422,6 +422,8 @@ def test_long_prompts_are_rejected_with_counts_before_generation(tokenizer):
     with pytest.raises(InputError, match=r"no usable traces: all 1 prompts of this shard were rejected \{'prompt_too_long': 1\}"):
         generate_shard(none, tokenizer, recs, gen, max_seq_len=256, seed=0, engine={}, model={})
     assert none.events == []
+    with pytest.raises(InputError, match=r"A rerun rejects them again: raise max_seq_len .*or lower prompts.num_shards"):
+        generate_shard(none, tokenizer, recs, gen, max_seq_len=256, seed=0, engine={}, model={})
 
 
 def test_generation_feeds_chunks_continuously_and_writes_each_in_input_order(tokenizer):

@@ -675,6 +675,7 @@ def test_the_onerror_hook_says_what_a_rerun_resumes_from(tmp_path, capsys):
     assert capsys.readouterr().err == (
         "\nThe run stopped before it finished. Rerun the same command to resume: kept for the rerun,\n"
         f"  1 finished chunk(s) of {Path(lay.traces('00000'))}\n"
+        "Where the error above names an input or a setting, fix it first: a rerun meets it again.\n"
         f"Each job's log is under {lay.log_dir}/ (Snakemake replaces a job's log when it reruns the job).\n"
     )
     print_resume_hint(_fake_workflow([], targets=("verify",)), lay)  # altered files: a rerun does not mend them
@@ -685,7 +686,7 @@ def test_the_onerror_hook_says_what_a_rerun_resumes_from(tmp_path, capsys):
     assert "Rerun the same command to resume" in capsys.readouterr().err
     store.remove()
     print_resume_hint(_fake_workflow([]), lay)
-    assert "Rerun the same command to resume.\nEach job's log" in capsys.readouterr().err
+    assert "Rerun the same command to resume.\nWhere the error above" in capsys.readouterr().err
 
 
 # evaluation.speedup as the CPU demo measured it: 8 prompts of 64 tokens at 1 and 8 requests in flight

@@ -302,3 +302,12 @@ def test_a_source_file_that_is_empty_or_missing_is_named_for_what_it_is(tmp_path
         sources_digest([*ok, {"type": "file", "path": str(tmp_path / "e.jsonl")}], ["prompts.sources[0].path", "evaluation.prompts.path"])
     with pytest.raises(InputError, match=rf"^prompts.sources\[0\].path: {tmp_path} is a directory, not a file"):
         sources_digest([{"type": "file", "path": str(tmp_path)}], ["prompts.sources[0].path"])
+
+
+def test_a_messages_field_that_is_not_a_list_is_named_not_the_record():
+    for raw, what in (
+        ({"messages": {"role": "user"}}, "its 'messages' is a JSON object"),
+        ({"conversations": None}, "its 'conversations' is a JSON null"),
+    ):
+        with pytest.raises(ValueError, match=rf"^bad_format: {what}; expected"):
+            canonical_messages(raw)

@@ -281,7 +281,8 @@ def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) 
             ``training.lrr: Additional properties are not allowed ('lrr' was unexpected) (did you
             mean 'lr' for 'lrr'?)``,
             or ``vllm.replicas_per_gpu`` > 1 with a multi-GPU engine, or
-            ``generation.answers_per_prompt`` > 1 with greedy decoding (temperature 0), or a
+            ``generation.answers_per_prompt`` > 1 with greedy decoding (temperature 0),
+            ``generation.min_completion_tokens`` >= ``max_seq_len``, or a
             ``vllm.extra_engine_args`` key the workflow sets from a setting
             (:data:`ENGINE_ARGS_FROM_SETTINGS`).
 
@@ -304,6 +305,12 @@ def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) 
     speed = cfg["evaluation"]["speedup"]
     speed["concurrency"] = sorted(speed["concurrency"])
     g = cfg["generation"]
+    if g["min_completion_tokens"] >= cfg["max_seq_len"]:
+        raise ConfigError(
+            f"invalid configuration: generation.min_completion_tokens {g['min_completion_tokens']} leaves no room for a "
+            f"prompt within max_seq_len {cfg['max_seq_len']} (every prompt would be rejected as prompt_too_long); "
+            "lower it or raise max_seq_len"
+        )
     if g["answers_per_prompt"] > 1 and g["temperature"] == 0:
         raise ConfigError(
             f"invalid configuration: generation.answers_per_prompt {g['answers_per_prompt']} with generation.temperature 0 "

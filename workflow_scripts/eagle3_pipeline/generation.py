@@ -199,9 +199,17 @@ class ShardResult:
         if self.rejects and not self.traces:
             for r in self.rejects[:20]:
                 logger.error("rejected %s (%s): %s %s", r.id, r.source, r.reason, r.detail)
+            by_reason = self.summary()["rejects_by_reason"]
+            hint = (
+                "raise max_seq_len (or lower generation.min_completion_tokens) so that the prompts fit; "
+                if "prompt_too_long" in by_reason
+                else ""
+            )
             raise InputError(
-                f"no usable traces: all {len(self.rejects)} prompts of this shard were rejected "
-                f"{self.summary()['rejects_by_reason']}; the first rejects are listed above in this log"
+                f"no usable traces: all {len(self.rejects)} prompts of this shard were rejected {by_reason}; "
+                f"the first rejects are listed above in this log. A rerun rejects them again: {hint}"
+                "or lower prompts.num_shards, so that every shard holds prompts that give traces, "
+                "or remove these prompts from the sources"
             )
 
 

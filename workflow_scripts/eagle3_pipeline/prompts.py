@@ -292,7 +292,8 @@ def canonical_messages(raw: object, turns: str = "first", dropped: Counter | Non
             raise ValueError("bad_format: record has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI)")
     expected = 'expected {"messages": [{"role", "content"}...]} (OpenAI), {"conversations": [{"from", "value"}...]} (ShareGPT) or a list of such turns'
     if not isinstance(turns_raw, list):
-        raise ValueError(f"bad_format: the record is a JSON {_json_type(turns_raw)}; {expected}")
+        what = "the record" if turns_raw is raw else f"its {'conversations' if 'conversations' in raw else 'messages'!r}"
+        raise ValueError(f"bad_format: {what} is a JSON {_json_type(turns_raw)}; {expected}")
     messages = []
     for i, t in enumerate(turns_raw):
         if not isinstance(t, dict):

@@ -387,6 +387,7 @@ def print_resume_hint(workflow, layout: RunLayout) -> None:
     print(
         "\nThe run stopped before it finished. Rerun the same command to resume"
         + (": kept for the rerun,\n  " + "\n  ".join(kept) if kept else ".")
+        + "\nWhere the error above names an input or a setting, fix it first: a rerun meets it again."
         + f"\nEach job's log is under {layout.log_dir}/ (Snakemake replaces a job's log when it reruns the job).",
         file=sys.stderr,
     )
