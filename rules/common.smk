@@ -150,5 +150,6 @@ def get_lineage_terminals(wildcards):
 with workflow_errors("target.path"):
     _shape = target_model.configured_target_shape(config["target"]["path"])
     _model_type = target_model.configured_target_model_type(config["target"]["path"])
+    _context = target_model.configured_target_context(config["target"]["path"])
 with workflow_errors():
-    settings.check_run_against_target(config, VARIANTS, *_shape, _model_type)
+    settings.check_run_against_target(config, VARIANTS, *_shape, _model_type, _context)

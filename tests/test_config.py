@@ -64,6 +64,13 @@ def test_target_dependent_settings_are_checked_before_any_job():
     assert "vocab.draft_vocab_size: 60000 is larger than the target vocabulary (49152 tokens)" in msg
     assert "extraction.aux_layer_ids: aux layer ids [40] out of range" in msg
     check_against_target(validate_config({}), 30, 49152)  # the default fits the embedded target
+    # the embedded target's context is known before it exists; a user's target's is vLLM's to derive at the start
+    from eagle3_pipeline.target_model import BUILTIN_TARGET, configured_target_context
+
+    long = validate_config({"max_seq_len": 8193})
+    with pytest.raises(ConfigError, match=r"max_seq_len: 8193 exceeds the target's context length \(8192 tokens\)"):
+        check_against_target(long, 30, 49152, context=configured_target_context(BUILTIN_TARGET))
+    check_against_target(long, 30, 49152, context=configured_target_context("/models/mine"))
 
 
 def test_nested_command_line_strings_take_the_schema_types():

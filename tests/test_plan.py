@@ -610,6 +610,7 @@ def test_the_embedded_targets_known_shape_is_the_materialized_targets(target_dir
     import torch
     import transformers
 
+    from eagle3_pipeline.engine import target_context
     from eagle3_pipeline.target_model import BUILTIN_CONFIG, text_config
     from eagle3_pipeline.target_model import BUILTIN_SHAPE as CHECK_SHAPE
 
@@ -619,6 +620,7 @@ def test_the_embedded_targets_known_shape_is_the_materialized_targets(target_dir
         "vocab_size": tc.vocab_size,
         "hidden_size": tc.hidden_size,
         "params": estimate_params(tc),
+        "context": target_context(str(target_dir)),  # as vLLM derives it
     } == BUILTIN_CONFIG
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(target_dir))

@@ -47,7 +47,9 @@ def _parsed_yaml(path: str, _size: int, _mtime_ns: int) -> dict:
         return yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
-def check_against_target(config: dict, num_hidden_layers: int, vocab_size: int, model_type: str | None = None) -> None:
+def check_against_target(
+    config: dict, num_hidden_layers: int, vocab_size: int, model_type: str | None = None, context: int | None = None
+) -> None:
     """Check the settings that depend on the target's shape, before any job runs.
 
     Args:
@@ -55,9 +57,11 @@ def check_against_target(config: dict, num_hidden_layers: int, vocab_size: int, 
         num_hidden_layers, vocab_size: the target's shape.
         model_type: the target language model's ``model_type`` (None: not known), for the aux
             layer ids vLLM cannot capture for that family (:func:`eagle3_pipeline.conventions.vllm_aux_id_problem`).
+        context: the target's context length in tokens where known before any job
+            (:func:`eagle3_pipeline.target_model.configured_target_context`), else None.
 
     Raises:
-        ConfigError: ``vocab.draft_vocab_size`` exceeds the target vocabulary,
+        ConfigError: ``max_seq_len`` exceeds ``context``, ``vocab.draft_vocab_size`` exceeds the target vocabulary,
             ``extraction.aux_layer_ids`` are out of range for the target's layers or not
             ascending, ``training.aux_layer_ids`` are not among them, or vLLM cannot capture
             the ids for this family (extraction's with the ``vllm`` backend, the drafter's always:
@@ -66,6 +70,10 @@ def check_against_target(config: dict, num_hidden_layers: int, vocab_size: int, 
     from .conventions import drafter_aux_columns, resolve_layer_ids, vllm_aux_id_problem
 
     problems = []
+    if context is not None and config["max_seq_len"] > context:
+        problems.append(
+            f"  max_seq_len: {config['max_seq_len']} exceeds the target's context length ({context} tokens); set it to {context} or less"
+        )
     n = config["vocab"]["draft_vocab_size"]
     if n > vocab_size:
         problems.append(f"  vocab.draft_vocab_size: {n} is larger than the target vocabulary ({vocab_size} tokens)")
@@ -88,7 +96,12 @@ def check_against_target(config: dict, num_hidden_layers: int, vocab_size: int, 
 
 
 def check_run_against_target(
-    config: dict, variants: dict[str, dict], num_hidden_layers: int, vocab_size: int, model_type: str | None = None
+    config: dict,
+    variants: dict[str, dict],
+    num_hidden_layers: int,
+    vocab_size: int,
+    model_type: str | None = None,
+    context: int | None = None,
 ) -> None:
     """:func:`check_against_target` for the run's settings and each sweep variant's, before any job runs.
 
@@ -96,16 +109,16 @@ def check_run_against_target(
         config: the run's validated config.
         variants: each variant's full config (:func:`eagle3_pipeline.sweep.variant_configs`).
         num_hidden_layers, vocab_size: the target's shape.
-        model_type: the target language model's ``model_type`` (:func:`check_against_target`).
+        model_type, context: as for :func:`check_against_target`.
 
     Raises:
         ConfigError: the first settings that do not fit the target, a variant's prefixed with
             ``sweep.variants.<name>:``.
     """
-    check_against_target(config, num_hidden_layers, vocab_size, model_type)
+    check_against_target(config, num_hidden_layers, vocab_size, model_type, context)
     for name, cfg in variants.items():
         try:
-            check_against_target(cfg, num_hidden_layers, vocab_size, model_type)
+            check_against_target(cfg, num_hidden_layers, vocab_size, model_type, context)
         except ConfigError as e:
             raise ConfigError(f"sweep.variants.{name}: {e}") from None
 

@@ -330,9 +330,10 @@ def target_vocab_size(path: str | os.PathLike, trust_remote_code: bool = False) 
 
 
 #: The embedded target's shape (SmolLM2-135M-Instruct's config.json; ``params`` is
-#: :func:`eagle3_pipeline.plan.estimate_params` of it), for checks and plans made before it is
-#: materialized; a model test compares it with the materialized target.
-BUILTIN_CONFIG = {"num_hidden_layers": 30, "vocab_size": 49152, "hidden_size": 576, "params": 134_515_008}
+#: :func:`eagle3_pipeline.plan.estimate_params` of it; ``context`` the context length in tokens
+#: vLLM derives, :func:`eagle3_pipeline.engine.target_context`), for checks and plans made before
+#: it is materialized; a model test compares it with the materialized target.
+BUILTIN_CONFIG = {"num_hidden_layers": 30, "vocab_size": 49152, "hidden_size": 576, "params": 134_515_008, "context": 8192}
 #: (num_hidden_layers, vocab_size) of the embedded target (:data:`BUILTIN_CONFIG`), for config checks.
 BUILTIN_SHAPE = (BUILTIN_CONFIG["num_hidden_layers"], BUILTIN_CONFIG["vocab_size"])
 
@@ -435,6 +436,14 @@ def configured_target_shape(target_path: str) -> tuple[int, int]:
         InputError: as :func:`configured_target_dir`, or its ``config.json`` lacks the keys.
     """
     return BUILTIN_SHAPE if target_path == BUILTIN_TARGET else target_shape(configured_target_dir(target_path))
+
+
+def configured_target_context(target_path: str) -> int | None:
+    """The context length (tokens) of the target ``target.path`` names, where it is known before any
+    job runs: :data:`BUILTIN_CONFIG`'s for the embedded target; None for a directory of the user's,
+    whose context vLLM derives at the run's start (:func:`eagle3_pipeline.engine.target_context`:
+    RoPE scaling, the tokenizer's limit), which a plain read of config.json would not match."""
+    return BUILTIN_CONFIG["context"] if target_path == BUILTIN_TARGET else None
 
 
 def configured_target_model_type(target_path: str) -> str | None:
