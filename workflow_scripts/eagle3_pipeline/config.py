@@ -12,6 +12,8 @@ import jsonschema
 import yaml
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
+#: The shipped config (the Snakefile's ``configfile:``), whose key order :func:`canonical_order` keeps.
+DEFAULT_CONFIG_PATH = SCHEMA_PATH.with_name("config.yaml")
 
 
 class ConfigError(ValueError):
@@ -342,32 +344,43 @@ def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) 
             f"but one engine spans tensor_parallel_size x pipeline_parallel_size = "
             f"{v['tensor_parallel_size'] * v['pipeline_parallel_size']} GPUs; set replicas_per_gpu to 1"
         )
-    return canonical_order(cfg, schema)
+    return canonical_order(cfg, schema, _parsed_yaml(str(DEFAULT_CONFIG_PATH), *_stat(DEFAULT_CONFIG_PATH)))
 
 
-def canonical_order(value, schema: dict):
-    """``value`` (a validated config or part of it) with every mapping's keys in one order: a
-    section's keys in ``config/schema.yaml``'s order, keys the schema does not list (the free
-    mapping ``vllm.extra_engine_args``) sorted; list items in their order, each ordered by the
-    schema's ``items``. The entries of ``sweep.variants`` keep the order they were written in
-    (the order runs and reports list them), each variant's own keys ordered.
+def _stat(path: Path) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
+def canonical_order(value, schema: dict, shipped: dict | None = None):
+    """``value`` (a validated config or part of it) with every mapping's keys in one order: first
+    the keys ``shipped`` (the shipped config/config.yaml, or its part at this place) lists, in its
+    order, then the others the schema lists, in the schema's order, then keys the schema does not
+    list (the free mapping ``vllm.extra_engine_args``) sorted; list items in their order, each
+    ordered by the schema's ``items``. The entries of ``sweep.variants`` keep the order they were
+    written in (the order runs and reports list them), each variant's own keys ordered.
 
     Snakemake compares a job's params with those its outputs were made with by their ``repr``,
     in which a dict's key order shows: the same settings written in another order (a prompt
     source ``{path: p, type: file}``, a default written out in ``training:``) would rerun every
-    job that takes them.
+    job that takes them. The shipped config's order comes first because it is the order
+    Snakemake's merge of a user's config over it, and then the schema's defaults, gave before:
+    runs made that way keep their params.
     """
     if isinstance(value, list):
         return [canonical_order(v, schema.get("items") or {}) for v in value]
     if not isinstance(value, dict):
         return value
+    shipped = shipped if isinstance(shipped, dict) else {}
     props = schema.get("properties") or {}
     extra = schema.get("additionalProperties")
     extra = extra if isinstance(extra, dict) else {}
     keys = list(value)  # a mapping of user-named entries, each with one schema (sweep.variants)
     if props or not extra:
-        keys = [k for k in props if k in value] + sorted((k for k in value if k not in props), key=str)
-    return {k: canonical_order(value[k], props.get(k, extra)) for k in keys}
+        first = [k for k in shipped if k in value]
+        keys = first + [k for k in props if k in value and k not in shipped]
+        keys += sorted((k for k in value if k not in props and k not in shipped), key=str)
+    return {k: canonical_order(value[k], props.get(k, extra), shipped.get(k)) for k in keys}
 
 
 def _markdown_cell(text: str) -> str:
