@@ -68,12 +68,17 @@ def _chunk(tmp_path, lengths, prompt_lengths, first=1):
 
 def test_filler_writes_each_request_at_its_rows_and_marks_the_chunk_after_the_last(tmp_path):
     marker, shard, samples, states = _chunk(tmp_path, [5, 9, 7], [2, 4, 6])
-    filler = ChunkFiller()
+    filler = ChunkFiller(str(tmp_path / "writer-0.json"))
     for pos in (2, 0):  # requests finish out of order
         assert filler.add(str(marker), pos, states[pos], torch.from_numpy(samples[pos + 1].input_ids)) is False
-        assert not marker.exists()
+        assert not marker.exists() and not (tmp_path / "writer-0.json").exists()
+    filler.account("copy_wait", 0.25)
     assert filler.add(str(marker), 1, states[1], torch.from_numpy(samples[2].input_ids)) is True
     assert json.loads(marker.read_text()) == {"samples": 3, "tokens": 21} and not spec_path(marker).exists()
+    # the writer threads' time, kept before the marker: 21 tokens x 3 layers x 8 x 2 bytes written
+    kept = json.loads((tmp_path / "writer-0.json").read_text())
+    assert kept["requests"] == 3 and kept["bytes"] == 21 * 3 * 8 * 2 and kept["seconds"]["copy_wait"] == 0.25
+    assert kept["seconds"]["check"] > 0 and kept["seconds"]["write"] > 0 and kept == filler.stats()
     r = ShardReader(shard)
     assert r.sample_ids == ["s0", "s1", "s2", "s3"] and r.layer_ids == [15, 2, 30] and r.aux_layer_ids == [15, 2]
     assert r.lengths() == [3, 5, 9, 7]
@@ -220,6 +225,8 @@ def test_vllm_backend_matches_hf_backend_and_an_fp32_forward(tmp_path, target_di
         assert idx[backend]["hash_tail_seconds"] >= 0
     sh, hh, layers, aux = read_shard(tmp_path / "hf.safetensors")
     sv, hv, layers_v, aux_v = read_shard(tmp_path / "vllm.safetensors")
+    # the engine's writer threads counted every request and byte they wrote (their time per part beside)
+    assert rep["writer"]["requests"] == len(QA) and rep["writer"]["bytes"] == sum(h.numel() * h.element_size() for h in hv), rep
     assert (layers_v, aux_v) == (layers, aux) == ([2, 8, 27, 30], [2, 8, 27])
     assert [s.id for s in sv] == [s.id for s in sh] == [f"{i:016x}" for i in range(len(QA))]
     for a, b in zip(sh, sv, strict=True):

@@ -293,7 +293,8 @@ def replica_stats(store_dir: Path) -> dict:
 
     Returns ``{"model_load_seconds", "<work>_seconds", ...}`` where seconds are the
     slowest replica's (replicas run side by side) and counts are summed, plus
-    ``"replicas"``: the per-replica records. Empty when no replica ran.
+    ``"replicas"``: the per-replica records (where fields that are not numbers, such as the
+    ``vllm`` backend's ``writer`` figures, stay per replica). Empty when no replica ran.
     """
     import json
 
@@ -302,8 +303,8 @@ def replica_stats(store_dir: Path) -> dict:
         return {}
     out: dict = {"replicas": recs}
     for k in recs[0]:
-        if k == "rank":
+        vals = [r.get(k) for r in recs]
+        if k == "rank" or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in vals):
             continue
-        vals = [r[k] for r in recs]
         out[k] = max(vals) if k.endswith("seconds") else sum(vals)
     return out

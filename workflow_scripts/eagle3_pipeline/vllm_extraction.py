@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from .io import atomic_path, write_text_atomic
+from .io import atomic_path, write_json_atomic, write_text_atomic
 from .layout import pids_of
 
 logger = logging.getLogger(__name__)
@@ -125,12 +125,33 @@ class ChunkFiller:
 
     Thread-safe: :meth:`add` is called from the connector's writer threads; shards are
     opened once per process (:meth:`eagle3_pipeline.shards.ShardWriter.open`).
+
+    Args:
+        stats_path: where to keep the writer threads' time (:meth:`stats`), rewritten before each
+            chunk's done marker, so a driver that saw every marker reads the final figures; None:
+            not kept.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, stats_path: str | None = None) -> None:
         self._lock = threading.Lock()
         self._pending: dict[str, tuple[dict, set[int]]] = {}
         self._shards: dict = {}
+        self._stats_path = stats_path
+        self._seconds = {"copy_wait": 0.0, "check": 0.0, "write": 0.0}
+        self._requests = self._bytes = 0
+
+    def account(self, part: str, seconds: float) -> None:
+        """Add ``seconds`` of one writer thread to ``part`` (``copy_wait``: the thread waiting for
+        the request's device-to-host copy, timed by the connector)."""
+        with self._lock:
+            self._seconds[part] += seconds
+
+    def stats(self) -> dict:
+        """The writer threads' work so far: ``requests``, ``bytes`` written, and ``seconds`` summed
+        over the threads for each part (``copy_wait``, ``check``: ids, reorder and finiteness,
+        ``write``: into the shard), against which a driver sets its engine's prefill time."""
+        with self._lock:
+            return {"requests": self._requests, "bytes": self._bytes, "seconds": {k: round(v, 4) for k, v in self._seconds.items()}}
 
     def add(self, marker: str, position: int, hidden_states: torch.Tensor, token_ids: torch.Tensor) -> bool:
         """Check one request's states, write them at the sample's rows; mark the chunk done after the last.
@@ -163,15 +184,23 @@ class ChunkFiller:
                 shard = self._shards[spec["shard"]]
             if not 0 <= position < len(spec["sample_ids"]):
                 raise ValueError(f"{marker}: position {position} outside the chunk's {len(spec['sample_ids'])} samples")
+            t0 = time.perf_counter()
             states = self._check(marker, spec, position, hidden_states, token_ids)
-            t = time.perf_counter()
+            t1 = time.perf_counter()
             n = shard.write_states(spec["rows"][position], states)
-            logger.debug("%s: sample %s, %.1f MB in %.3f s", spec["shard"], spec["sample_ids"][position], n / 1e6, time.perf_counter() - t)
+            t2 = time.perf_counter()
+            logger.debug("%s: sample %s, %.1f MB in %.3f s", spec["shard"], spec["sample_ids"][position], n / 1e6, t2 - t1)
             with self._lock:
+                self._seconds["check"] += t1 - t0
+                self._seconds["write"] += t2 - t1
+                self._requests += 1
+                self._bytes += n
                 done.add(position)
                 if len(done) < len(spec["sample_ids"]):
                     return False
                 del self._pending[marker]
+            if self._stats_path is not None:
+                write_json_atomic(self._stats_path, self.stats())
             with atomic_path(marker) as tmp:
                 mark_chunk_done(tmp, len(done), sum(len(x) for x in spec["input_ids"]))
             spec_path(marker).unlink(missing_ok=True)
@@ -226,11 +255,13 @@ def _connector_class():
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self._filler = ChunkFiller()
+            self._filler = ChunkFiller(self._kv_transfer_config.get_from_extra_config("stats_path", None))
 
         def _write_tensors(self, tensors, event, filename, lock_fd) -> None:  # type: ignore[override]
             try:
+                t = time.perf_counter()
                 event.synchronize()
+                self._filler.account("copy_wait", time.perf_counter() - t)
                 chunk, pos = parse_route(filename)
                 self._filler.add(chunk, pos, tensors["hidden_states"], tensors["token_ids"])
             finally:
@@ -262,13 +293,14 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-def engine_overrides(layer_ids: Sequence[int], *, writer_threads: int = 8) -> dict:
+def engine_overrides(layer_ids: Sequence[int], *, writer_threads: int = 8, stats_path: str | None = None) -> dict:
     """``LLM`` keyword arguments that turn a target engine into a hidden-state extractor.
 
     ``speculative_config`` selects vLLM's ``extract_hidden_states`` method with the
     :func:`engine_layer_ids`; ``kv_transfer_config`` loads :class:`ChunkShardConnector`
-    from this module. Prefix caching is off: a cached prefix would not pass through the
-    forward and its states would be missing.
+    from this module, with ``writer_threads`` threads writing the states and the threads' time
+    kept in ``stats_path`` (:meth:`ChunkFiller.stats`). Prefix caching is off: a cached prefix
+    would not pass through the forward and its states would be missing.
     """
     return {
         "speculative_config": {
@@ -284,6 +316,7 @@ def engine_overrides(layer_ids: Sequence[int], *, writer_threads: int = 8) -> di
                 "allow_custom_save_path": True,
                 "use_synchronization_lock": False,
                 "num_writer_threads": writer_threads,
+                "stats_path": stats_path,
             },
         },
         "enable_prefix_caching": False,
@@ -359,8 +392,8 @@ def vllm_extraction_replica(job: dict, rank: int, chunks) -> None:
     are unfinished, so the batch stays full until the last chunk. The engine writes each
     request's states into the shard as soon as it is prefilled and a chunk's done marker
     once all its requests are in. Writes ``replica-<rank>.json`` (model load, extract,
-    prefill and write-wait seconds, tokens) into the job's chunk store, like the ``hf``
-    backend.
+    prefill and write-wait seconds, tokens, and the writer threads' time per part,
+    :meth:`ChunkFiller.stats`) into the job's chunk store, like the ``hf`` backend.
     """
     from vllm import SamplingParams, TokensPrompt
 
@@ -375,6 +408,8 @@ def vllm_extraction_replica(job: dict, rank: int, chunks) -> None:
     store = ChunkStore.attach(job["out_shard"], DONE_SUFFIX)
     # the engine process imports the connector by module path
     os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])
+    stats_path = store.dir / f"writer-{rank}.json"  # the engine's writer threads' time (ChunkFiller.stats)
+    stats_path.unlink(missing_ok=True)
     load = Timer()
     max_model_len, allow_long = extraction_max_model_len(job["target"], job["max_seq_len"], job["trust_remote_code"])
     if allow_long:
@@ -385,7 +420,7 @@ def vllm_extraction_replica(job: dict, rank: int, chunks) -> None:
         seed=0,
         max_model_len=max_model_len,
         trust_remote_code=job["trust_remote_code"],
-        **engine_overrides(job["layer_ids"]),
+        **engine_overrides(job["layer_ids"], stats_path=str(stats_path)),
     )
     load_s = load.seconds
     # the engine's processes, ended by the next full-model job if this one is killed
@@ -453,5 +488,6 @@ def vllm_extraction_replica(job: dict, rank: int, chunks) -> None:
             "prefill_seconds": prefill_s,
             "write_wait_seconds": wait_s,
             "tokens": tokens,
+            "writer": json.loads(stats_path.read_text()) if stats_path.is_file() else None,
         },
     )
