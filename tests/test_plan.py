@@ -175,6 +175,18 @@ def test_done_and_pending_come_from_snakemakes_jobs_not_from_files(tmp_path):
     assert all(p.done for p in plan_run(cfg, None, tmp_path / "empty", [], platform="cpu")[0])
 
 
+def test_a_long_source_that_stages_share_is_printed_once_under_the_table(tmp_path):
+    stages, _ = plan_run(validate_config({}), None, tmp_path, [_job(s) for s in ("generate_traces", "train_drafter")], platform="cpu")
+    lines = format_plan(stages).splitlines()
+    rows, notes = lines[1 : 1 + len(stages)], [x for x in lines if x.startswith("[")]
+    assert notes, lines
+    for i, note in enumerate(notes, 1):
+        text = note[len(f"[{i}] ") :]
+        assert note.startswith(f"[{i}] ") and len(text) > 60 and sum(f"[{i}]" in r for r in rows) >= 1
+        assert any(text in p.source for p in stages) and not any(text in r for r in rows)  # once, below the table
+    assert sum("reference [1]" in r for r in rows) == len(stages)  # every stage's figures from the same runs
+
+
 def test_a_resumed_stage_is_estimated_for_its_pending_jobs_only(tmp_path):
     cfg = validate_config({"prompts": {"max_prompts": 400, "num_shards": 4}})
     full = _by_stage(plan_run(cfg, None, tmp_path, [_job("generate_traces", f"{i:05d}") for i in range(4)], platform="cpu")[0])

@@ -180,6 +180,8 @@ def test_a_directory_record_names_an_altered_or_missing_file(tmp_path):
         check_recorded_files(d)
     with pytest.raises(InputError, match=rf"`snakemake --forcerun {d}`"):  # the job's output is the directory
         check_recorded_files(d)
+    with pytest.raises(InputError, match=rf"`snakemake --forcerun {d / 'sub' / 'model.safetensors'}`"):  # each file is one
+        check_recorded_files(d, directory_output=False)
     (d / "sub" / "model.safetensors").unlink()
     with pytest.raises(InputError, match=r"model.safetensors: missing, but .*\.sha256\.json records it"):
         check_recorded_files(d)
@@ -197,8 +199,9 @@ def test_training_refuses_a_draft_vocab_altered_after_it_was_built(tmp_path, tar
     d2t = np.load(tmp_path / "vocab" / "d2t.npy")
     d2t[5] += 1
     np.save(tmp_path / "vocab" / "d2t.npy", d2t)
-    with pytest.raises(InputError, match=r"vocab/d2t.npy: its bytes differ from what its producer recorded"):
+    with pytest.raises(InputError, match=r"vocab/d2t.npy: its bytes differ from what its producer recorded") as e:
         _train_small(tmp_path, shard, target_dir)
+    assert f"`snakemake --forcerun {tmp_path / 'vocab' / 'd2t.npy'}`" in str(e.value)  # a job output (the folder is not one)
 
 
 def test_an_edit_that_sets_the_mtime_back_is_still_caught(tmp_path):
@@ -283,6 +286,7 @@ def test_recorded_input_problems_names_altered_files_and_skips_unrecorded_ones(t
     assert len(problems) == 2
     assert problems[0].startswith(f"{traces}: its bytes differ from what its producer recorded in {tmp_path / 'shard-00000.summary.json'}")
     assert problems[1].startswith(f"{vocab / 'd2t.npy'}: its bytes differ from what its producer recorded")
+    assert f"`snakemake --forcerun {vocab / 'd2t.npy'}`" in problems[1]  # the file, a job output; the folder is none
 
 
 @pytest.mark.e2e

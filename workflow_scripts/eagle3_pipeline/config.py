@@ -336,7 +336,7 @@ def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) 
         raise ConfigError(
             "invalid configuration: "
             + "; ".join(f"vllm.extra_engine_args.{k} is set by the workflow from {ENGINE_ARGS_FROM_SETTINGS[k]}" for k in taken)
-            + ": set those instead (config/README.md)"
+            + f": set {'that setting' if len(taken) == 1 else 'those settings'} instead (config/README.md)"
         )
     if v["replicas_per_gpu"] > 1 and v["tensor_parallel_size"] * v["pipeline_parallel_size"] > 1:
         raise ConfigError(

@@ -350,7 +350,7 @@ def _recordable(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
 
 
-def check_recorded_files(directory: str | os.PathLike, exhaustive: bool = False) -> dict[str, str] | None:
+def check_recorded_files(directory: str | os.PathLike, exhaustive: bool = False, *, directory_output: bool = True) -> dict[str, str] | None:
     """Check the files of ``directory`` against the record its producer wrote (:func:`record_files`)
     before a stage reads them: each by :func:`checked_sha256` (not read again while unwritten since).
 
@@ -358,6 +358,9 @@ def check_recorded_files(directory: str | os.PathLike, exhaustive: bool = False)
         directory: the producer's directory.
         exhaustive: also refuse a file the record does not list (a drafter directory, whose every
             file vLLM may load), dot-files aside.
+        directory_output: the directory is one job output (the drafter), which an error's
+            :func:`remake_hint` names; False: its files are job outputs each (the vocabulary),
+            and the hint names the file (for the record itself, a file beside it).
 
     Returns:
         ``{relative path: sha256}``, or None when the directory has no record (written before
@@ -374,19 +377,22 @@ def check_recorded_files(directory: str | os.PathLike, exhaustive: bool = False)
     if not rec_path.is_file():
         logging.getLogger(__name__).warning("%s: no record of its files (%s); not checked", root, FILES_RECORD)
         return None
-    record = read_record(rec_path, root)
+    # the job output a remake names: the directory, or each file (the record's own: a file beside it)
+    beside = next((f for f in sorted(root.iterdir()) if f.is_file() and not f.name.startswith(".")), root)
+    output = (lambda _f: root) if directory_output else (lambda f: f)
+    record = read_record(rec_path, root if directory_output else beside)
     out = {}
     for rel, r in record.items():
         p = root / rel
         if not p.is_file():
-            raise InputError(f"{p}: missing, but {rec_path} records it; {remake_hint(root)}")
+            raise InputError(f"{p}: missing, but {rec_path} records it; {remake_hint(output(p))}")
         r = r if isinstance(r, dict) else {}
-        out[rel] = checked_sha256(p, r.get("sha256"), r.get("stat"), str(rec_path), root)
+        out[rel] = checked_sha256(p, r.get("sha256"), r.get("stat"), str(rec_path), output(p))
     extra = [p.relative_to(root).as_posix() for p in _recordable(root)] if exhaustive else []
     extra = [rel for rel in extra if rel not in record]
     if extra:
         raise InputError(
-            f"{root}: {extra} are not among the files {rec_path} records (added after it was written); remove them, or {remake_hint(root)}"
+            f"{root}: {extra} are not among the files {rec_path} records (added after it was written); remove them, or {remake_hint(root if directory_output else beside)}"
         )
     return out
 

@@ -631,21 +631,50 @@ def format_plan(plan: list[StageEstimate], jobs: list[dict] | None = None) -> st
     def hm(s: float) -> str:
         return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m" if s >= 3600 else f"{s / 60:.1f} min"
 
+    notes: list[str] = []
     lines = [f"{'stage':24} {'jobs':>5} {'tokens':>12} {'tok/s':>9} {'load s':>7} {'time':>9} {'disk':>9}  source"]
     for p in plan:
         n = f"{len(p.pending)}/{p.jobs}" if p.pending and len(p.pending) < p.jobs else str(p.jobs)
         lines.append(
             f"{p.stage:24} {n:>5} {p.tokens:>12,} {p.tokens_per_second:>9,.0f} {p.load_seconds:>7.0f} {hm(p.seconds):>9} "
-            f"{p.disk_bytes / 1e9:>7.2f}GB  {'done; ' if p.done else ''}{p.source}"
+            f"{p.disk_bytes / 1e9:>7.2f}GB  {'done; ' if p.done else ''}{_footnoted(p.source, notes)}"
         )
     todo = [p for p in plan if not p.done]
     lines.append(
         f"{'total (pending stages)':24} {'':>5} {'':>12} {'':>9} {'':>7} {hm(sum(p.seconds for p in todo)):>9} {sum(p.disk_bytes for p in todo) / 1e9:>7.2f}GB"
     )
+    lines += [f"[{i}] {note}" for i, note in enumerate(notes, 1)]
     if jobs is not None:
         counts = jobs_by_rule(jobs)
         lines.append(f"Snakemake will run {len(jobs)} job(s): " + (", ".join(f"{r} x{n}" for r, n in counts.items()) or "none"))
     return "\n".join(lines)
+
+
+def _footnoted(text: str, notes: list[str], longest: int = 60) -> str:
+    """``text`` with each parenthesised part longer than ``longest`` characters (nesting counted,
+    the outermost replaced) as a marker ``[n]`` into ``notes``, where it is added once: a source
+    that several stages share is printed once under the table instead of on every line."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "(":
+            if depth == 0:
+                start = i
+            depth += 1
+        elif ch == ")" and depth:
+            depth -= 1
+            if depth == 0:
+                inner = text[start + 1 : i]
+                if len(inner) > longest:
+                    if inner not in notes:
+                        notes.append(inner)
+                    out.append(f"[{notes.index(inner) + 1}]")
+                else:
+                    out.append(text[start : i + 1])
+        elif depth == 0:
+            out.append(ch)
+    if depth:  # unbalanced: the rest as written
+        out.append(text[start:])
+    return "".join(out)
 
 
 def plan_dict(plan: list[StageEstimate], platform: str, jobs: list[dict] | None = None, kind: str = "preview") -> dict:

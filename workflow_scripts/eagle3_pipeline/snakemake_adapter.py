@@ -257,7 +257,7 @@ def check_at_start(jobs: list[dict], config: dict, target_dir: str | None) -> No
     from snakemake.exceptions import WorkflowError
 
     if (why := problem_at_start(jobs, config, target_dir)) is not None:
-        raise WorkflowError(f"{why}. (Checked at the run's start: nothing was run.)")
+        raise WorkflowError(f"{why.rstrip('.')}. (Checked at the run's start: nothing was run.)")
 
 
 def training_loss_problem(jobs: list[dict], config: dict) -> str | None:

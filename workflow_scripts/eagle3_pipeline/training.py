@@ -685,7 +685,7 @@ def _train_fingerprint(shards: list[str], vocab_dir: str, target_path: str, cfg:
     from .target_model import quick_identity
 
     shard_ids = [recorded_shard_sha256(p) for p in shards]
-    recorded = check_recorded_files(vocab_dir) or {}  # build_vocab_mapping's record, checked
+    recorded = check_recorded_files(vocab_dir, directory_output=False) or {}  # build_vocab_mapping's record, checked
     vocab = [recorded.get(f) or sha256_file(Path(vocab_dir) / f) for f in ("d2t.npy", "t2d.npy")]
     return sha256_json(
         {"shards": shard_ids, "vocab": vocab, "target": quick_identity(target_path), "cfg": cfg, "seed": seed, "max_seq_len": max_seq_len}

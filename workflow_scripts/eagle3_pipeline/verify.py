@@ -97,7 +97,7 @@ def recorded_input_problems(paths: Iterable[str | os.PathLike]) -> list[str]:
                 d = p if p.is_dir() else p.parent
                 if d not in dirs and (d / FILES_RECORD).is_file():
                     dirs.add(d)
-                    check_recorded_files(d)
+                    check_recorded_files(d, directory_output=p.is_dir())  # the drafter; the vocabulary's files each
             elif p.is_file() and p.suffix == ".jsonl" and summary_beside(p).is_file():
                 recorded_traces_sha256(p)
             elif p.is_file() and p.suffix == ".safetensors" and index_beside(p).is_file():
