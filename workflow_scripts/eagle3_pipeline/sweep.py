@@ -88,10 +88,16 @@ def shares_drafter(run_cfg: dict, variant_cfg: dict) -> bool:
 
 
 def changes(run_cfg: dict, variant_cfg: dict) -> dict[str, object]:
-    """``{"section.key": value}`` of every setting in which the variant differs from the run."""
-    return {
-        f"{s}.{k}": v for s in VARIANT_SECTIONS for k, v in variant_cfg[s].items() if run_cfg[s].get(k) != v and k not in runtime_keys(s)
-    }
+    """``{"section.key": value}`` of every setting in which the variant differs from the run, by key
+    (the reports' order, whatever order the configs hold them in)."""
+    return dict(
+        sorted(
+            (f"{s}.{k}", v)
+            for s in VARIANT_SECTIONS
+            for k, v in variant_cfg[s].items()
+            if run_cfg[s].get(k) != v and k not in runtime_keys(s)
+        )
+    )
 
 
 def vocab_layout(run_cfg: dict, variant_cfg: dict, layout: RunLayout, name: str) -> RunLayout:
