@@ -39,8 +39,13 @@ def load_schema(path: str | os.PathLike = SCHEMA_PATH) -> dict:
     Parsed once per file version (path, size, mtime) with libyaml's safe loader where PyYAML has
     it: the workflow reads the schema several times while Snakemake parses the rules.
     """
+    return copy.deepcopy(_parsed_yaml(str(path), *_stat(path)))
+
+
+def _stat(path: str | os.PathLike) -> tuple[int, int]:
+    """(size, mtime_ns) of ``path``: the version :func:`_parsed_yaml` caches a file's parse by."""
     st = os.stat(path)
-    return copy.deepcopy(_parsed_yaml(str(path), st.st_size, st.st_mtime_ns))
+    return st.st_size, st.st_mtime_ns
 
 
 @functools.cache
@@ -345,11 +350,6 @@ def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) 
             f"{v['tensor_parallel_size'] * v['pipeline_parallel_size']} GPUs; set replicas_per_gpu to 1"
         )
     return canonical_order(cfg, schema, _parsed_yaml(str(DEFAULT_CONFIG_PATH), *_stat(DEFAULT_CONFIG_PATH)))
-
-
-def _stat(path: Path) -> tuple[int, int]:
-    st = os.stat(path)
-    return st.st_size, st.st_mtime_ns
 
 
 def canonical_order(value, schema: dict, shipped: dict | None = None):

@@ -378,7 +378,7 @@ def check_recorded_files(directory: str | os.PathLike, exhaustive: bool = False,
         logging.getLogger(__name__).warning("%s: no record of its files (%s); not checked", root, FILES_RECORD)
         return None
     # the job output a remake names: the directory, or each file (the record's own: a file beside it)
-    beside = next((f for f in sorted(root.iterdir()) if f.is_file() and not f.name.startswith(".")), root)
+    beside = root if directory_output else next((f for f in sorted(root.iterdir()) if f.is_file() and not f.name.startswith(".")), root)
     output = (lambda _f: root) if directory_output else (lambda f: f)
     record = read_record(rec_path, root if directory_output else beside)
     out = {}

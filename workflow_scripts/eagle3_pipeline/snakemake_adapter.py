@@ -271,7 +271,8 @@ def training_loss_problem(jobs: list[dict], config: dict) -> str | None:
         if j.get("stage", j["rule"]) == "train_drafter":
             v = j.get("wildcards", {}).get("variant")
             key = f"sweep.variants.{v}.training.loss" if v else "training.loss"
-            losses[key] = _variant_config(config, v)["training"]["loss"] if v else config["training"]["loss"]
+            own = config["sweep"]["variants"][v].get("training", {}) if v else {}  # a variant's own setting, else the run's
+            losses[key] = own.get("loss", config["training"]["loss"])
     if not losses:
         return None
     from speculators.losses import resolve_loss_config
@@ -282,13 +283,6 @@ def training_loss_problem(jobs: list[dict], config: dict) -> str | None:
         except ValueError as e:
             return f"{key}: {loss!r} is not a loss speculators knows: {e}"
     return None
-
-
-def _variant_config(config: dict, variant: str) -> dict:
-    """A sweep variant's full, validated config (:func:`eagle3_pipeline.sweep.variant_configs`)."""
-    from .sweep import variant_configs
-
-    return variant_configs(config)[variant]
 
 
 def problem_at_start(jobs: list[dict], config: dict, target_dir: str | None) -> str | None:
