@@ -204,13 +204,18 @@ def m_prefill(args) -> dict:
     return {"model_load_seconds": load, "seconds": s, "tokens": n, "tokens_per_second": n / s, "bytes_per_token": 0}
 
 
+def hs_dir(args, backend: str) -> Path:
+    """The folder of our ``backend``'s shard: ``hs-<backend>`` in ``--shards``, else in ``--work``."""
+    return Path(args.shards or args.work) / f"hs-{backend}"
+
+
 def _ours(args, backend: str) -> dict:
     from eagle3_pipeline.config import validate_config
     from eagle3_pipeline.hidden_states import run_extraction_shard
 
     work = Path(args.work)
-    cfg = validate_config({"extraction": {"backend": backend, "chunk_samples": 64, "batch_tokens": 16384, "device": "cuda"}})
-    out = work / f"hs-{backend}"
+    cfg = validate_config({"extraction": {"backend": backend, "chunk_samples": 64, "batch_tokens": args.batch_tokens, "device": "cuda"}})
+    out = hs_dir(args, backend)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     t = time.perf_counter()
@@ -346,7 +351,7 @@ def m_speculators(args) -> dict:
     first = load_file(str(data / "hidden_states" / "hs_0.safetensors"))
     assert torch.equal(first["token_ids"].long(), torch.from_numpy(samples[0].input_ids)), "speculators file 0 is another sample"
     res = {}
-    ours = work / "hs-vllm" / "shard-00000.safetensors"
+    ours = hs_dir(args, "vllm") / "shard-00000.safetensors"
     if ours.exists():  # same values as our vllm backend? (sample 0, layers reordered to ours)
         from eagle3_pipeline.shards import ShardReader
 
@@ -372,8 +377,7 @@ def parity(args) -> dict:
 
     from eagle3_pipeline.shards import ShardReader
 
-    work = Path(args.work)
-    a, b = ShardReader(work / "hs-hf" / "shard-00000.safetensors"), ShardReader(work / "hs-vllm" / "shard-00000.safetensors")
+    a, b = ShardReader(hs_dir(args, "hf") / "shard-00000.safetensors"), ShardReader(hs_dir(args, "vllm") / "shard-00000.safetensors")
     assert a.sample_ids == b.sample_ids and torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
     out = {"samples": len(a), "ids_and_masks_equal": True, "layers": {}}
     H, V = a.all_hidden_states(), b.all_hidden_states()
@@ -388,7 +392,7 @@ def parity(args) -> dict:
             "max_diff_in_ulps_at_max": d.max().item() / ulp,
             "rel_rms": (d.pow(2).mean().sqrt() / h.pow(2).mean().sqrt()).item(),
         }
-    shutil.rmtree(work / "hs-hf")  # disk: the 64 GB host keeps one shard of ~14 GB besides the target
+    shutil.rmtree(hs_dir(args, "hf"))  # disk: the 64 GB host keeps one shard of ~14 GB besides the target
     return out
 
 
@@ -448,7 +452,7 @@ def train_ours(args) -> dict:
     t = time.perf_counter()
     s = run_training(
         {
-            "shards": [str(work / "hs-vllm" / "shard-00000.safetensors")],
+            "shards": [str(hs_dir(args, "vllm") / "shard-00000.safetensors")],
             "vocab_dir": str(vocab),
             "target_path": str(work / "target"),
             "out_dir": str(out / "drafter"),
@@ -699,7 +703,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--steps", type=int, default=0, help="training steps (0: one epoch)")
     ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument(
+        "--batch-tokens", type=int, default=16384, help="ours_vllm, ours_hf: extraction.batch_tokens (the workflow's default is 8192)"
+    )
     ap.add_argument("--gen-prompts", type=int, default=512, help="generation: prompts per chunk (the config default)")
+    ap.add_argument(
+        "--shards", help="ours_vllm, ours_hf: the folder their shards go to (default --work; e.g. a tmpfs, to time writes without a disk)"
+    )
     ap.add_argument("--only", nargs="*", choices=list(PHASES), help="all: these phases only, in this order")
     ap.add_argument("--timeout", type=float, default=3600, help="all: seconds before a phase is stopped with its processes")
     return ap
@@ -727,9 +737,10 @@ def problems(selected: list[str], args: argparse.Namespace, gpu: bool = True) ->
     written: set[str] = set()
     for name in selected:
         for f in PHASES[name].reads:
-            if f not in written and not (work / f).exists():
+            where = hs_dir(args, f[3:]) if f.startswith("hs-") else work / f
+            if f not in written and not where.exists():
                 maker = next(n for n, p in PHASES.items() if f in p.writes)
-                out.append(f"{work / f} does not exist: phase {maker} writes it (run all, or name {maker} before {name} in --only)")
+                out.append(f"{where} does not exist: phase {maker} writes it (run all, or name {maker} before {name} in --only)")
         written |= set(PHASES[name].writes)
     if "samples" in selected:
         if args.tokenizer and not Path(args.tokenizer).is_dir():

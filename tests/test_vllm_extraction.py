@@ -47,8 +47,9 @@ def test_engine_overrides_request_sorted_layers_and_our_connector():
     assert kw["enable_prefix_caching"] is False
 
 
-def _chunk(tmp_path, lengths, prompt_lengths, first=1):
+def _chunk(tmp_path, lengths, prompt_lengths, first=1, layer_ids=(15, 2, 30)):
     """A shard of ``first`` + len(lengths) samples; the chunk is samples first.. (the first are another chunk's)."""
+    layer_ids = list(layer_ids)
     rng = np.random.default_rng(0)
     lengths = [3] * first + list(lengths)
     prompt_lengths = [1] * first + list(prompt_lengths)
@@ -57,10 +58,12 @@ def _chunk(tmp_path, lengths, prompt_lengths, first=1):
         for i, (n, p) in enumerate(zip(lengths, prompt_lengths, strict=True))
     ]
     shard = tmp_path / "shard.safetensors"
-    ShardWriter.create(shard, samples, layer_ids=[15, 2, 30], aux_layer_ids=[15, 2], hidden_size=8, storage_dtype=torch.bfloat16).close()
+    ShardWriter.create(
+        shard, samples, layer_ids=layer_ids, aux_layer_ids=layer_ids[:-1], hidden_size=8, storage_dtype=torch.bfloat16
+    ).close()
     rows = np.cumsum([0, *lengths])[:-1].tolist()
     marker = tmp_path / "chunk-000001.done"
-    write_chunk_spec(marker, samples[first:], shard=shard, rows=rows[first:], layer_ids=[15, 2, 30])
+    write_chunk_spec(marker, samples[first:], shard=shard, rows=rows[first:], layer_ids=layer_ids)
     # what vLLM hands over: layers in ascending id order [2, 15, 30]
     states = [torch.randn(n, 3, 8).to(torch.bfloat16) for n in lengths[first:]]
     return marker, shard, samples, states
@@ -89,6 +92,18 @@ def test_filler_writes_each_request_at_its_rows_and_marks_the_chunk_after_the_la
         assert got["loss_mask"].tolist() == [False] * (s.loss_mask.argmax()) + [True] * int(s.loss_mask.sum())
         # stored order [15, 2, 30] = engine columns [1, 0, 2]
         assert torch.equal(got["hidden_states"], states[i][:, [1, 0, 2]])
+
+
+def test_filler_writes_ascending_layers_as_handed_over(tmp_path):
+    # the default ids are ascending: vLLM's order already; the states are written without a copy
+    marker, shard, samples, states = _chunk(tmp_path, [6, 4], [2, 3], first=0, layer_ids=(2, 15, 30))
+    filler = ChunkFiller()
+    for pos in (1, 0):
+        filler.add(str(marker), pos, states[pos], torch.from_numpy(samples[pos].input_ids))
+    r = ShardReader(shard)
+    assert r.layer_ids == [2, 15, 30] and marker.exists()
+    for i in range(2):
+        assert torch.equal(r.sample(i)["hidden_states"], states[i])
 
 
 def test_filler_rejects_other_token_ids_and_the_driver_reports_it(tmp_path):

@@ -156,8 +156,10 @@ class ChunkFiller:
     def add(self, marker: str, position: int, hidden_states: torch.Tensor, token_ids: torch.Tensor) -> bool:
         """Check one request's states, write them at the sample's rows; mark the chunk done after the last.
 
-        The states are checked and reordered to ``layer_ids`` order into a new (pageable)
-        tensor, so the engine's pinned copy buffer is released right away.
+        The states are checked, then written from the tensor vLLM handed over (its pinned
+        copy buffer) where ``layer_ids`` is ascending, as with the default ids, or from a copy
+        in ``layer_ids`` order otherwise: a copy of a request's states (32.8 MB of the 8B
+        shape) costs its writer thread ~5 ms (``benchmarks/writer_throughput.py``).
 
         Args:
             hidden_states: ``[T, L', H]`` as vLLM returns them (``L'`` = the
@@ -223,7 +225,8 @@ class ChunkFiller:
             )
         if hs.shape[0] != len(ids) or hs.shape[1] != len(engine_ids):
             raise ValueError(f"{marker}: sample {sid}: states of shape {tuple(hs.shape)}, expected [{len(ids)}, {len(engine_ids)}, H]")
-        out = hs.index_select(1, torch.tensor([engine_ids.index(k) for k in spec["layer_ids"]]))
+        order = [engine_ids.index(k) for k in spec["layer_ids"]]
+        out = hs if order == list(range(len(order))) else hs.index_select(1, torch.tensor(order))
         if not all_finite(out):
             raise FloatingPointError(f"sample {sid}: hidden states contain NaN/Inf")
         return out
