@@ -443,3 +443,36 @@ def test_a_w4a16_mixture_of_experts_is_extracted_from_its_dequantized_experts(tm
         rms = ref[:, k].pow(2).mean().sqrt()
         assert (got[:, k] - ref[:, k]).pow(2).mean().sqrt() / rms < 0.01  # bf16 compute of the same weights
         assert (unquantized[:, k] - ref[:, k]).pow(2).mean().sqrt() / rms > 0.03  # 4-bit experts do change the states
+
+
+def test_a_shard_is_preallocated_where_the_filesystem_can_and_sized_sparse_where_not(tmp_path, monkeypatch):
+    from eagle3_pipeline import shards
+    from eagle3_pipeline.shards import ShardWriter, preallocate
+
+    samples = [Sample(f"s{i}", np.arange(600, dtype=np.int64), loss_mask(100, 500)) for i in range(3)]
+    kw = dict(layer_ids=[1, 3], aux_layer_ids=[1], hidden_size=64, storage_dtype=torch.bfloat16)
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    calls = []
+    monkeypatch.setattr(shards, "preallocate", lambda fd, size: calls.append((size, preallocate(fd, size))) or calls[-1][1])
+    ShardWriter.create(a, samples, **kw).close()
+    monkeypatch.setattr(shards, "preallocate", lambda fd, size: False)
+    ShardWriter.create(b, samples, **kw).close()
+    states = 1800 * 2 * 64 * 2  # tokens x layers x hidden x bf16 bytes
+    assert calls[0][0] == a.stat().st_size == b.stat().st_size > states
+    assert a.read_bytes() == b.read_bytes()  # the same header, ids, masks and zero states either way
+    assert b.stat().st_blocks * 512 < states  # sparse: the zero states hold no blocks
+    if calls[0][1]:
+        assert a.stat().st_blocks * 512 >= a.stat().st_size
+    # preallocate itself: the blocks are there, or it says it did nothing
+    fd = os.open(tmp_path / "c.bin", os.O_RDWR | os.O_CREAT)
+    try:
+        if not preallocate(fd, 1 << 20):
+            pytest.skip("this filesystem has no fallocate")
+        assert os.fstat(fd).st_size == 1 << 20 and os.fstat(fd).st_blocks * 512 >= 1 << 20
+    finally:
+        os.close(fd)
+    ro = os.open(tmp_path / "c.bin", os.O_RDONLY)  # fallocate fails (EBADF): nothing changed, False
+    try:
+        assert preallocate(ro, 2 << 20) is False and os.fstat(ro).st_size == 1 << 20
+    finally:
+        os.close(ro)

@@ -24,6 +24,8 @@ ids, offsets, layer ids and the file's SHA-256. Equal content gives equal bytes.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import functools
 import json
 import logging
@@ -264,7 +266,8 @@ class ShardWriter:
         header = json.loads(prefix[8:])
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
         try:
-            os.ftruncate(fd, cls.file_bytes(prefix))
+            if not preallocate(fd, cls.file_bytes(prefix)):
+                os.ftruncate(fd, cls.file_bytes(prefix))  # sparse: blocks are allocated as the states are written
             _pwrite_all(fd, prefix, 0)
             for name, t in small.items():
                 _pwrite_all(fd, t.numpy().tobytes(), len(prefix) + header[name]["data_offsets"][0])
@@ -483,6 +486,42 @@ class ShardHasher:
         self._file.close()
         self.tail_seconds = time.perf_counter() - t0
         return self._sha.hexdigest()
+
+
+@functools.cache
+def _fallocate():
+    """libc's ``fallocate`` (Linux), or None where the C library has none."""
+    try:
+        f = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    f.restype = ctypes.c_int
+    return f
+
+
+def preallocate(fd: int, size: int) -> bool:
+    """Allocate ``size`` bytes (zeros) to the empty file ``fd`` with Linux ``fallocate(2)``, mode 0.
+
+    Buffered writes into allocated blocks are faster than into a sparse file: on one H100 host
+    (ext4), 32.8 MB writes ran at 6.8-7.0 GB/s into a preallocated file against 5.8-5.9 GB/s
+    (``benchmarks/results/vs_speculators_h100_third.json``), and the space is taken before the
+    first state is written. Unlike ``os.posix_fallocate``, nothing is emulated by writing zeros
+    where the filesystem has no ``fallocate`` (some network filesystems).
+
+    Returns:
+        whether the file now holds ``size`` allocated bytes; False (the file untouched) where the
+        C library or the filesystem has no ``fallocate``, or it failed (e.g. no space: the disk
+        preflight, ``disk_preflight``, is what refuses a run that does not fit), so the caller
+        sizes the file with ``ftruncate`` instead.
+    """
+    f = _fallocate()
+    if f is None or size <= 0:
+        return False
+    if f(fd, 0, 0, size) == 0:
+        return True
+    logger.debug("fallocate of %d bytes failed (%s): the shard is sized sparse", size, os.strerror(ctypes.get_errno()))
+    return False
 
 
 def _pwrite_all(fd: int, data, offset: int) -> None:
