@@ -2,8 +2,8 @@
 
 vLLM's hidden-states connector hands each finished request's states to writer threads in the
 engine's process; ours (``vllm_extraction.ChunkFiller.add``) checks them (token ids, shape, no
-NaN/Inf), reorders the layers into a new tensor and writes them at the sample's rows of the
-shard. Whatever those threads cannot keep up with waits after the last token: on one H100, the
+NaN/Inf), reorders the layers into a new tensor where ``layer_ids`` is not ascending (vLLM's
+order; the ``parts`` phase times that copy), and writes them at the sample's rows of the shard. Whatever those threads cannot keep up with waits after the last token: on one H100, the
 8B-shaped target's extraction waited 0.86 s after 10.05 s of prefill (``write_wait_seconds``,
 ``results/vs_speculators_h100.json``), 0.897 x vLLM's prefill-only rate.
 
