@@ -476,3 +476,47 @@ def test_a_shard_is_preallocated_where_the_filesystem_can_and_sized_sparse_where
         assert preallocate(ro, 2 << 20) is False and os.fstat(ro).st_size == 1 << 20
     finally:
         os.close(ro)
+
+
+def test_the_disk_preflight_counts_the_space_a_killed_jobs_partial_shard_holds(tmp_path, target_dir, monkeypatch):
+    """A preallocated partial shard kept from a killed job holds its space already: a resumed job
+    needs only the rest free (the shard is reused, or replaced where it no longer matches)."""
+    import re
+    import shutil
+    from collections import namedtuple
+
+    from eagle3_pipeline.config import validate_config
+    from eagle3_pipeline.hidden_states import run_extraction_shard
+    from eagle3_pipeline.hygiene import hidden_state_bytes
+    from eagle3_pipeline.io import InputError
+    from eagle3_pipeline.resume import ChunkStore
+    from eagle3_pipeline.shards import partial_shard_path, preallocate
+
+    traces = tmp_path / "traces.jsonl"
+    rows = [{"id": f"t{i}", "prompt_token_ids": list(range(1, 40)), "completion_token_ids": list(range(40, 100))} for i in range(500)]
+    traces.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    need = hidden_state_bytes(500 * 99, 4, 576, 2)  # SmolLM2: hidden 576, 3 aux layers + the last, bf16
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**12, 0, 1000))
+    cfg = validate_config({"extraction": {}})["extraction"] | {"data_parallel_size": 1, "gpus_per_replica": 1}
+    out = tmp_path / "shard-00000.safetensors"
+
+    def needed() -> int:
+        with pytest.raises(InputError, match="extraction of .* needs about") as e:
+            run_extraction_shard(
+                str(traces), str(out), str(tmp_path / "i.json"), str(target_dir), cfg,
+                max_seq_len=2048, trust_remote_code=False, host_lock_enabled=False,
+            )  # fmt: skip
+        return round(float(re.search(r"needs about ([0-9.]+) GB", str(e.value)).group(1)) * 1e9)
+
+    assert abs(needed() - need) <= 5e6  # the message rounds to 10 MB
+    kept = partial_shard_path(ChunkStore.dir_for(out))
+    kept.parent.mkdir(parents=True)
+    fd = os.open(kept, os.O_RDWR | os.O_CREAT)
+    try:
+        if not preallocate(fd, need // 2):
+            pytest.skip("this filesystem has no fallocate")
+    finally:
+        os.close(fd)
+    held = os.stat(kept).st_blocks * 512
+    assert held >= need // 2 and abs(needed() - (need - held)) <= 5e6

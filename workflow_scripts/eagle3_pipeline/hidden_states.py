@@ -18,6 +18,8 @@ from .shards import (
     INDEX_HASH_KEYS,
     STORAGE_DTYPES,
     ShardHasher,
+    allocated_bytes,
+    partial_shard_path,
     prepare_partial_shard,
     sample_from_trace,
     shard_index,
@@ -75,7 +77,8 @@ def run_extraction_shard(
     ``cfg["gpus_per_replica"]`` GPUs, share the chunks (:mod:`eagle3_pipeline.parallel`);
     vLLM engines can share GPUs (``cfg["replicas_per_gpu"]``, the ``vllm:`` section's).
     Before loading the model, a disk preflight compares the estimated bytes (tokens ×
-    layers × hidden × dtype bytes) with the free space (``cfg["disk_preflight"]``).
+    layers × hidden × dtype bytes, less what a killed job's partial shard holds already) with
+    the free space (``cfg["disk_preflight"]``).
 
     Returns:
         the shard index (also written to ``out_index``), plus timing fields.
@@ -88,6 +91,7 @@ def run_extraction_shard(
     from .conventions import resolve_layer_ids
     from .hygiene import check_disk, hidden_state_bytes
     from .io import read_jsonl
+    from .resume import ChunkStore
     from .shard_job import ShardJob, ShardRun, run_shard_job
     from .target_model import text_config
 
@@ -99,7 +103,9 @@ def run_extraction_shard(
         tokens = sum(len(s.input_ids) for s in samples)
         need = hidden_state_bytes(tokens, len(layer_ids), tcfg.hidden_size, dtype.itemsize)
         need += tokens * len(layer_ids) * 4 if dtype == FP8 else 0  # per-row scales
-        check_disk(out_shard, need, what=f"extraction of {traces_path}", override_key="extraction.disk_preflight")
+        # a killed job's partial shard (preallocated) holds its space already: reused or replaced
+        need -= allocated_bytes(partial_shard_path(ChunkStore.dir_for(out_shard)))
+        check_disk(out_shard, max(need, 0), what=f"extraction of {traces_path}", override_key="extraction.disk_preflight")
     layout = {"layer_ids": layer_ids, "aux_layer_ids": aux, "hidden_size": tcfg.hidden_size, "storage_dtype": dtype}
 
     def prepare(store) -> dict:

@@ -40,7 +40,7 @@ class ChunkStore:
 
     def __init__(self, final_path: str | os.PathLike, fingerprint: str, suffix: str):
         self.final_path = Path(final_path)
-        self.dir = self.final_path.parent / f".{self.final_path.name}.partial"
+        self.dir = self.dir_for(final_path)
         self.suffix = suffix
         stamp = self.dir / "FINGERPRINT"
         if self.dir.exists():
@@ -65,10 +65,16 @@ class ChunkStore:
         """
         self = cls.__new__(cls)
         self.final_path = Path(final_path)
-        self.dir = self.final_path.parent / f".{self.final_path.name}.partial"
+        self.dir = cls.dir_for(final_path)
         self.suffix = suffix
         self._written = 0
         return self
+
+    @staticmethod
+    def dir_for(final_path: str | os.PathLike) -> Path:
+        """The folder of the chunks of ``final_path``: ``.<name>.partial`` beside it."""
+        final = Path(final_path)
+        return final.parent / f".{final.name}.partial"
 
     def path(self, index: int) -> Path:
         """Path of chunk ``index`` (exists only once the chunk is complete)."""

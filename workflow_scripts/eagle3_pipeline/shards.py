@@ -732,6 +732,20 @@ def mark_chunk_done(marker: str | os.PathLike, num_samples: int, num_tokens: int
     Path(marker).write_text(json.dumps({"samples": int(num_samples), "tokens": int(num_tokens)}) + "\n")
 
 
+def partial_shard_path(store_dir: str | os.PathLike) -> Path:
+    """The shard an extraction job fills in its chunk store (``resume.ChunkStore.dir``)."""
+    return Path(store_dir) / "shard.safetensors"
+
+
+def allocated_bytes(path: str | os.PathLike) -> int:
+    """Bytes of disk ``path`` holds (its allocated blocks; a sparse file holds fewer than its
+    size, a preallocated one all of them); 0 where it does not exist."""
+    try:
+        return os.stat(path).st_blocks * 512
+    except FileNotFoundError:
+        return 0
+
+
 def prepare_partial_shard(store, samples: Sequence[Sample], **layout) -> Path:
     """The job's preallocated shard in its chunk store, created unless a matching one is there.
 
@@ -743,7 +757,7 @@ def prepare_partial_shard(store, samples: Sequence[Sample], **layout) -> Path:
     Returns:
         the path of the partial shard (``<chunk store>/shard.safetensors``).
     """
-    path = store.dir / "shard.safetensors"
+    path = partial_shard_path(store.dir)
     prefix, _ = ShardWriter.layout(samples, **layout)
     if path.is_file() and path.stat().st_size == ShardWriter.file_bytes(prefix):
         with open(path, "rb") as f:
