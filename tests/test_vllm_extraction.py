@@ -5,6 +5,7 @@ test runs on a GPU host, see benchmarks/README.md)."""
 import hashlib
 import json
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +83,7 @@ def test_filler_writes_each_request_at_its_rows_and_marks_the_chunk_after_the_la
     kept = json.loads((tmp_path / "writer-0.json").read_text())
     assert kept["requests"] == 3 and kept["bytes"] == 21 * 3 * 8 * 2 and kept["seconds"]["copy_wait"] == 0.25
     assert kept["seconds"]["check"] > 0 and kept["seconds"]["write"] > 0 and kept == filler.stats()
+    assert kept["last_copy_done"] <= kept["last_write_done"] <= time.time()  # the copy stamped by account
     r = ShardReader(shard)
     assert r.sample_ids == ["s0", "s1", "s2", "s3"] and r.layer_ids == [15, 2, 30] and r.aux_layer_ids == [15, 2]
     assert r.lengths() == [3, 5, 9, 7]
@@ -242,6 +244,9 @@ def test_vllm_backend_matches_hf_backend_and_an_fp32_forward(tmp_path, target_di
     sv, hv, layers_v, aux_v = read_shard(tmp_path / "vllm.safetensors")
     # the engine's writer threads counted every request and byte they wrote (their time per part beside)
     assert rep["writer"]["requests"] == len(QA) and rep["writer"]["bytes"] == sum(h.numel() * h.element_size() for h in hv), rep
+    # the last write ended after the last copy arrived, before the driver stopped waiting for it
+    after = rep["writer"]["after_prefill_seconds"]
+    assert after["copy"] <= after["write"] <= rep["write_wait_seconds"] + 0.01, rep
     assert (layers_v, aux_v) == (layers, aux) == ([2, 8, 27, 30], [2, 8, 27])
     assert [s.id for s in sv] == [s.id for s in sh] == [f"{i:016x}" for i in range(len(QA))]
     for a, b in zip(sh, sv, strict=True):

@@ -139,19 +139,27 @@ class ChunkFiller:
         self._stats_path = stats_path
         self._seconds = {"copy_wait": 0.0, "check": 0.0, "write": 0.0}
         self._requests = self._bytes = 0
+        self._last = {"last_copy_done": None, "last_write_done": None}
 
     def account(self, part: str, seconds: float) -> None:
         """Add ``seconds`` of one writer thread to ``part`` (``copy_wait``: the thread waiting for
-        the request's device-to-host copy, timed by the connector)."""
+        the request's device-to-host copy, timed by the connector; its end is stamped as
+        ``last_copy_done``)."""
         with self._lock:
             self._seconds[part] += seconds
+            if part == "copy_wait":
+                self._last["last_copy_done"] = time.time()
 
     def stats(self) -> dict:
-        """The writer threads' work so far: ``requests``, ``bytes`` written, and ``seconds`` summed
+        """The writer threads' work so far: ``requests``, ``bytes`` written, ``seconds`` summed
         over the threads for each part (``copy_wait``, ``check``: ids, reorder and finiteness,
-        ``write``: into the shard), against which a driver sets its engine's prefill time."""
+        ``write``: into the shard), against which a driver sets its engine's prefill time, and
+        when the last copy arrived and the last write ended (``last_copy_done``,
+        ``last_write_done``: Unix time in seconds, None before the first), against which it sets
+        the end of its prefill."""
         with self._lock:
-            return {"requests": self._requests, "bytes": self._bytes, "seconds": {k: round(v, 4) for k, v in self._seconds.items()}}
+            seconds = {k: round(v, 4) for k, v in self._seconds.items()}
+            return {"requests": self._requests, "bytes": self._bytes, "seconds": seconds} | self._last
 
     def add(self, marker: str, position: int, hidden_states: torch.Tensor, token_ids: torch.Tensor) -> bool:
         """Check one request's states, write them at the sample's rows; mark the chunk done after the last.
@@ -195,6 +203,7 @@ class ChunkFiller:
             with self._lock:
                 self._seconds["check"] += t1 - t0
                 self._seconds["write"] += t2 - t1
+                self._last["last_write_done"] = time.time()
                 self._requests += 1
                 self._bytes += n
                 done.add(position)
@@ -294,6 +303,18 @@ def __getattr__(name: str):
         globals()[name] = cls
         return cls
     raise AttributeError(name)
+
+
+def writer_after_prefill(stats_path: Path, prefill_end: float) -> dict | None:
+    """The engine's writer figures (:meth:`ChunkFiller.stats`, kept in ``stats_path``) with
+    ``after_prefill_seconds``: how long after ``prefill_end`` (Unix time, when the driver had the
+    last request's output) the last copy arrived and the last write ended (``copy``, ``write``);
+    None where the engine kept no figures."""
+    if not stats_path.is_file():
+        return None
+    w = json.loads(stats_path.read_text())
+    stamps = {k: w.get(f"last_{k}_done") for k in ("copy", "write")}
+    return w | {"after_prefill_seconds": {k: round(v - prefill_end, 4) for k, v in stamps.items() if v is not None}}
 
 
 def engine_overrides(layer_ids: Sequence[int], *, writer_threads: int = 8, stats_path: str | None = None) -> dict:
@@ -472,7 +493,7 @@ def vllm_extraction_replica(job: dict, rank: int, chunks) -> None:
 
     try:
         feed_engine(engine, chunks, add_chunk, on_finished, queued=QUEUED_REQUESTS, poll=poll)
-        prefill_s = run.seconds
+        prefill_s, prefill_end = run.seconds, time.time()
         t = time.perf_counter()
         wait_for_chunks(written, timeout_s=WRITE_TIMEOUT_S)
         wait_s = time.perf_counter() - t
@@ -491,6 +512,6 @@ def vllm_extraction_replica(job: dict, rank: int, chunks) -> None:
             "prefill_seconds": prefill_s,
             "write_wait_seconds": wait_s,
             "tokens": tokens,
-            "writer": json.loads(stats_path.read_text()) if stats_path.is_file() else None,
+            "writer": writer_after_prefill(stats_path, prefill_end),
         },
     )
