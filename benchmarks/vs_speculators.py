@@ -704,7 +704,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=0, help="training steps (0: one epoch)")
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument(
-        "--batch-tokens", type=int, default=16384, help="ours_vllm, ours_hf: extraction.batch_tokens (the workflow's default is 8192)"
+        "--batch-tokens",
+        type=int,
+        default=16384,
+        help="ours_hf: extraction.batch_tokens (the workflow's default is 8192; the vllm backend has no such setting)",
     )
     ap.add_argument("--gen-prompts", type=int, default=512, help="generation: prompts per chunk (the config default)")
     ap.add_argument(
@@ -764,6 +767,7 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(args.work).resolve()
     args.work = str(work)
+    args.shards = str(Path(args.shards).resolve()) if args.shards else None
     if args.phase != "all":
         phases.exit_on_sigterm()  # stopped by all: finally blocks run (the speculators phase stops its server)
         # no GPU check here: torch's would initialise CUDA in this process before vLLM forks its engine

@@ -520,3 +520,37 @@ def test_the_disk_preflight_counts_the_space_a_killed_jobs_partial_shard_holds(t
         os.close(fd)
     held = os.stat(kept).st_blocks * 512
     assert held >= need // 2 and abs(needed() - (need - held)) <= 5e6
+
+
+def test_a_shard_that_does_not_fit_is_named_and_its_partial_allocation_given_back(tmp_path, monkeypatch):
+    """fallocate(2) failing with no space (ext4 and XFS keep what they allocated) refuses the
+    shard with its path; failing as unsupported sizes it sparse."""
+    import ctypes
+    import errno
+
+    from eagle3_pipeline import shards
+    from eagle3_pipeline.io import InputError
+    from eagle3_pipeline.shards import ShardReader, ShardWriter
+
+    samples = [Sample(f"s{i}", np.arange(600, dtype=np.int64), loss_mask(100, 500)) for i in range(3)]
+    kw = dict(layer_ids=[1, 3], aux_layer_ids=[1], hidden_size=64, storage_dtype=torch.bfloat16)
+    seen = {}
+
+    def failing(code):
+        def fallocate(fd, mode, offset, size):
+            os.truncate(f"/proc/self/fd/{fd}", size // 2)  # what a partial allocation leaves: a longer file
+            seen["size"] = size
+            ctypes.set_errno(code)
+            return -1
+
+        return lambda: fallocate
+
+    monkeypatch.setattr(shards, "_fallocate", failing(errno.ENOSPC))
+    path = tmp_path / "full.safetensors"
+    with pytest.raises(InputError, match=rf"{path}: no room for this hidden-state shard \(No space left on device\)"):
+        ShardWriter.create(path, samples, **kw)
+    assert path.stat().st_size == 0  # given back
+    monkeypatch.setattr(shards, "_fallocate", failing(errno.EOPNOTSUPP))
+    path = tmp_path / "sparse.safetensors"
+    ShardWriter.create(path, samples, **kw).close()
+    assert path.stat().st_size == seen["size"] and len(ShardReader(path)) == 3

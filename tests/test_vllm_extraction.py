@@ -76,7 +76,11 @@ def test_filler_writes_each_request_at_its_rows_and_marks_the_chunk_after_the_la
     for pos in (2, 0):  # requests finish out of order
         assert filler.add(str(marker), pos, states[pos], torch.from_numpy(samples[pos + 1].input_ids)) is False
         assert not marker.exists() and not (tmp_path / "writer-0.json").exists()
+    filler.account("check", 0.0)  # stamps nothing
+    assert filler.stats()["last_copy_done"] is None
+    before = time.time()
     filler.account("copy_wait", 0.25)
+    assert before <= filler.stats()["last_copy_done"] <= time.time()
     assert filler.add(str(marker), 1, states[1], torch.from_numpy(samples[2].input_ids)) is True
     assert json.loads(marker.read_text()) == {"samples": 3, "tokens": 21} and not spec_path(marker).exists()
     # the writer threads' time, kept before the marker: 21 tokens x 3 layers x 8 x 2 bytes written
@@ -100,8 +104,11 @@ def test_filler_writes_ascending_layers_as_handed_over(tmp_path):
     # the default ids are ascending: vLLM's order already; the states are written without a copy
     marker, shard, samples, states = _chunk(tmp_path, [6, 4], [2, 3], first=0, layer_ids=(2, 15, 30))
     filler = ChunkFiller()
+    spec = json.loads(spec_path(marker).read_text())
+    ids = [torch.from_numpy(s.input_ids) for s in samples]
+    assert ChunkFiller._check(str(marker), spec, 0, states[0], ids[0]) is states[0]  # no copy
     for pos in (1, 0):
-        filler.add(str(marker), pos, states[pos], torch.from_numpy(samples[pos].input_ids))
+        filler.add(str(marker), pos, states[pos], ids[pos])
     r = ShardReader(shard)
     assert r.layer_ids == [2, 15, 30] and marker.exists()
     for i in range(2):

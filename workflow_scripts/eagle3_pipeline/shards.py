@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import functools
 import json
 import logging
@@ -40,7 +41,7 @@ import numpy as np
 import torch
 
 from .conventions import loss_mask
-from .io import atomic_path, file_stat, sha256_file, write_json_atomic
+from .io import InputError, atomic_path, file_stat, sha256_file, write_json_atomic
 from .layout import index_beside
 
 logger = logging.getLogger(__name__)
@@ -259,14 +260,24 @@ class ShardWriter:
         hidden_size: int,
         storage_dtype: torch.dtype,
     ) -> ShardWriter:
-        """Create (or overwrite) ``path`` as the shard of ``samples`` with zero states; see :meth:`layout`."""
+        """Create (or overwrite) ``path`` as the shard of ``samples`` with zero states; see :meth:`layout`.
+
+        The file is preallocated where the filesystem can (:func:`preallocate`), else sparse.
+
+        Raises:
+            InputError: the disk or the quota has no room for the shard (names it and its size).
+        """
         prefix, small = cls.layout(
             samples, layer_ids=layer_ids, aux_layer_ids=aux_layer_ids, hidden_size=hidden_size, storage_dtype=storage_dtype
         )
         header = json.loads(prefix[8:])
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
         try:
-            if not preallocate(fd, cls.file_bytes(prefix)):
+            try:
+                allocated = preallocate(fd, cls.file_bytes(prefix))
+            except OSError as e:
+                raise InputError(f"{path}: no room for this hidden-state shard ({e.strerror}); free space or move results/") from e
+            if not allocated:
                 os.ftruncate(fd, cls.file_bytes(prefix))  # sparse: blocks are allocated as the states are written
             _pwrite_all(fd, prefix, 0)
             for name, t in small.items():
@@ -490,10 +501,11 @@ class ShardHasher:
 
 @functools.cache
 def _fallocate():
-    """libc's ``fallocate`` (Linux), or None where the C library has none."""
+    """libc's ``fallocate`` with 64-bit offsets (Linux), or None where the C library has none."""
     try:
-        f = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).fallocate
-    except (OSError, AttributeError):
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        f = getattr(lib, "fallocate64", None) or lib.fallocate
+    except (OSError, AttributeError, TypeError):
         return None
     f.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     f.restype = ctypes.c_int
@@ -510,17 +522,24 @@ def preallocate(fd: int, size: int) -> bool:
     where the filesystem has no ``fallocate`` (some network filesystems).
 
     Returns:
-        whether the file now holds ``size`` allocated bytes; False (the file untouched) where the
-        C library or the filesystem has no ``fallocate``, or it failed (e.g. no space: the disk
-        preflight, ``disk_preflight``, is what refuses a run that does not fit), so the caller
-        sizes the file with ``ftruncate`` instead.
+        whether the file now holds ``size`` allocated bytes; False where the C library or the
+        filesystem has no ``fallocate`` or refuses it otherwise (the file as it was), so the
+        caller sizes the file with ``ftruncate`` instead.
+
+    Raises:
+        OSError: ``ENOSPC`` or ``EDQUOT``: the disk or the quota has no room for ``size`` bytes
+            (the file is emptied first: ext4 and XFS keep what a failed call allocated).
     """
     f = _fallocate()
     if f is None or size <= 0:
         return False
     if f(fd, 0, 0, size) == 0:
         return True
-    logger.debug("fallocate of %d bytes failed (%s): the shard is sized sparse", size, os.strerror(ctypes.get_errno()))
+    err = ctypes.get_errno()
+    if err in (errno.ENOSPC, errno.EDQUOT):
+        os.ftruncate(fd, 0)  # the failed call may have allocated part of the range
+        raise OSError(err, f"{os.strerror(err)}: {size / 1e9:.2f} GB could not be allocated")
+    logger.debug("fallocate of %d bytes failed (%s): the shard is sized sparse", size, os.strerror(err))
     return False
 
 
@@ -768,6 +787,7 @@ def prepare_partial_shard(store, samples: Sequence[Sample], **layout) -> Path:
         logger.warning("%s: the partial shard is missing or differs; discarding %d done chunk(s)", store.final_path, len(stale))
         for i in stale:
             store.path(i).unlink(missing_ok=True)
+    path.unlink(missing_ok=True)  # its done chunks are dropped: its space goes to the new one
     with atomic_path(path, suffix=".safetensors") as tmp:
         ShardWriter.create(tmp, samples, **layout).close()
     return path

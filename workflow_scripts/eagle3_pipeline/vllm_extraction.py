@@ -140,11 +140,13 @@ class ChunkFiller:
         self._seconds = {"copy_wait": 0.0, "check": 0.0, "write": 0.0}
         self._requests = self._bytes = 0
         self._last = {"last_copy_done": None, "last_write_done": None}
+        self._stats_lock = threading.Lock()  # snapshots reach stats_path in the order they were taken
 
     def account(self, part: str, seconds: float) -> None:
         """Add ``seconds`` of one writer thread to ``part`` (``copy_wait``: the thread waiting for
         the request's device-to-host copy, timed by the connector; its end is stamped as
-        ``last_copy_done``)."""
+        ``last_copy_done``: when a writer thread had the copy, which is later than its arrival
+        where every thread was busy)."""
         with self._lock:
             self._seconds[part] += seconds
             if part == "copy_wait":
@@ -165,7 +167,7 @@ class ChunkFiller:
         """Check one request's states, write them at the sample's rows; mark the chunk done after the last.
 
         The states are checked, then written from the tensor vLLM handed over (its pinned
-        copy buffer) where ``layer_ids`` is ascending, as with the default ids, or from a copy
+        copy buffer) where ``layer_ids`` is strictly ascending, as with the default ids, or from a copy
         in ``layer_ids`` order otherwise: a copy of a request's states (32.8 MB of the 8B
         shape) costs its writer thread ~5 ms (``benchmarks/writer_throughput.py``).
 
@@ -211,7 +213,8 @@ class ChunkFiller:
                     return False
                 del self._pending[marker]
             if self._stats_path is not None:
-                write_json_atomic(self._stats_path, self.stats())
+                with self._stats_lock:
+                    write_json_atomic(self._stats_path, self.stats())
             with atomic_path(marker) as tmp:
                 mark_chunk_done(tmp, len(done), sum(len(x) for x in spec["input_ids"]))
             spec_path(marker).unlink(missing_ok=True)
