@@ -547,7 +547,9 @@ def test_a_shard_that_does_not_fit_is_named_and_its_partial_allocation_given_bac
 
     monkeypatch.setattr(shards, "_fallocate", failing(errno.ENOSPC))
     path = tmp_path / "full.safetensors"
-    with pytest.raises(InputError, match=rf"{path}: no room for this hidden-state shard \(No space left on device\)"):
+    with pytest.raises(
+        InputError, match=rf"^{path}: no room for this hidden-state shard of 0\.00 GB \(No space left on device\); free space"
+    ):
         ShardWriter.create(path, samples, **kw)
     assert path.stat().st_size == 0  # given back
     monkeypatch.setattr(shards, "_fallocate", failing(errno.EOPNOTSUPP))

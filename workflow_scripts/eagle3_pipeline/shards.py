@@ -276,7 +276,10 @@ class ShardWriter:
             try:
                 allocated = preallocate(fd, cls.file_bytes(prefix))
             except OSError as e:
-                raise InputError(f"{path}: no room for this hidden-state shard ({e.strerror}); free space or move results/") from e
+                raise InputError(
+                    f"{path}: no room for this hidden-state shard of {cls.file_bytes(prefix) / 1e9:.2f} GB ({e.strerror}); "
+                    "free space or move results/"
+                ) from e
             if not allocated:
                 os.ftruncate(fd, cls.file_bytes(prefix))  # sparse: blocks are allocated as the states are written
             _pwrite_all(fd, prefix, 0)
@@ -538,7 +541,7 @@ def preallocate(fd: int, size: int) -> bool:
     err = ctypes.get_errno()
     if err in (errno.ENOSPC, errno.EDQUOT):
         os.ftruncate(fd, 0)  # the failed call may have allocated part of the range
-        raise OSError(err, f"{os.strerror(err)}: {size / 1e9:.2f} GB could not be allocated")
+        raise OSError(err, os.strerror(err))
     logger.debug("fallocate of %d bytes failed (%s): the shard is sized sparse", size, os.strerror(err))
     return False
 
