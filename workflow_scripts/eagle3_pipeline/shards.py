@@ -270,18 +270,17 @@ class ShardWriter:
         prefix, small = cls.layout(
             samples, layer_ids=layer_ids, aux_layer_ids=aux_layer_ids, hidden_size=hidden_size, storage_dtype=storage_dtype
         )
-        header = json.loads(prefix[8:])
+        header, size = json.loads(prefix[8:]), cls.file_bytes(prefix)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
         try:
             try:
-                allocated = preallocate(fd, cls.file_bytes(prefix))
+                allocated = preallocate(fd, size)
             except OSError as e:
                 raise InputError(
-                    f"{path}: no room for this hidden-state shard of {cls.file_bytes(prefix) / 1e9:.2f} GB ({e.strerror}); "
-                    "free space or move results/"
+                    f"{path}: no room for this hidden-state shard of {size / 1e9:.2f} GB ({e.strerror}); free space or move results/"
                 ) from e
             if not allocated:
-                os.ftruncate(fd, cls.file_bytes(prefix))  # sparse: blocks are allocated as the states are written
+                os.ftruncate(fd, size)  # sparse: blocks are allocated as the states are written
             _pwrite_all(fd, prefix, 0)
             for name, t in small.items():
                 _pwrite_all(fd, t.numpy().tobytes(), len(prefix) + header[name]["data_offsets"][0])
