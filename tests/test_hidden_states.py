@@ -556,3 +556,47 @@ def test_a_shard_that_does_not_fit_is_named_and_its_partial_allocation_given_bac
     path = tmp_path / "sparse.safetensors"
     ShardWriter.create(path, samples, **kw).close()
     assert path.stat().st_size == seen["size"] and len(ShardReader(path)) == 3
+
+
+def test_the_batch_writer_writes_rows_in_place_marks_chunks_after_their_batches_and_raises_a_nan_sample(tmp_path):
+    """Batches written by the writer thread land at their samples' rows; a chunk's marker follows
+    its batches; a NaN sample's error reaches the caller unchanged, naming the sample, with the
+    chunk before it kept and nothing of its own batch written."""
+    from eagle3_pipeline.hf_backend import BatchWriter, HostBatch
+    from eagle3_pipeline.resume import ChunkStore
+    from eagle3_pipeline.shards import DONE_SUFFIX, ShardWriter
+
+    lengths = [5, 3, 4, 2]
+    samples = [Sample(f"s{i}", np.arange(n, dtype=np.int64), loss_mask(1, n - 1)) for i, n in enumerate(lengths)]
+    rows = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
+    path, store = tmp_path / "x.safetensors", ChunkStore.attach(tmp_path / "final.safetensors", DONE_SUFFIX)
+    store.dir.mkdir()
+    g = torch.Generator().manual_seed(0)
+    want = [torch.randn(n, 2, 8, generator=g).to(torch.bfloat16) for n in lengths]
+
+    def host_batch(idx: list[int], first: int, bad_row: int | None = None) -> HostBatch:
+        t_max = max(lengths[first + i] for i in idx)
+        buf = torch.full((len(idx), t_max, 2, 8), 7.0, dtype=torch.bfloat16)  # 7.0: padding, never written
+        for r, i in enumerate(idx):
+            buf[r, : lengths[first + i]] = want[first + i]
+        bad = torch.zeros(len(idx), dtype=torch.bool)
+        if bad_row is not None:
+            bad[bad_row] = True
+        return HostBatch(idx, [lengths[first + i] for i in idx], buf, bad, [samples[first + i].id for i in idx])
+
+    kw = dict(layer_ids=[1, 3], aux_layer_ids=[1], hidden_size=8, storage_dtype=torch.bfloat16)
+    with ShardWriter.create(path, samples, **kw) as shard:
+        w = BatchWriter(shard, store, rows, num_chunks=2, depth=1)
+        w.batch(host_batch([0], 0), 0)  # chunk 0: samples 0-1, in two batches, longest first
+        w.batch(host_batch([1], 0), 0)
+        w.chunk_done(0, 0, 2, 8)
+        w.batch(host_batch([1, 0], 2, bad_row=1), 2)  # chunk 1: samples 3 and 2, sample s2 NaN
+        with pytest.raises(FloatingPointError, match="sample s2"):
+            w.chunk_done(1, 2, 4, 6)
+            w.close()
+        w.close(abort=True)
+    assert store.finished() == [0]
+    assert w.stats["batches"] == 2 and w.stats["bytes"] == 8 * 2 * 8 * 2
+    got = ShardReader(path).all_hidden_states()
+    assert torch.equal(got[:8], torch.cat(want[:2]))
+    assert not got[8:].any()  # chunk 1's batch was refused whole: its rows are still the preallocated zeros

@@ -8,8 +8,9 @@ hidden states (:class:`LayerCapture`), written into the job's shard (:mod:`eagle
 from __future__ import annotations
 
 import logging
+import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -152,15 +153,102 @@ def to_host(x: torch.Tensor) -> torch.Tensor:
     return host
 
 
+class HostBatch:
+    """One padded batch's captured states on their way to the host (:func:`prefill_batches`).
+
+    Attributes:
+        indices: the batch's samples, as positions in the ``samples`` given, in row order
+            (longest first).
+        lengths: their token counts, in the same order.
+        states: ``[B, T_max, L, H]`` in the storage dtype, in host memory: on a GPU a pinned
+            buffer that the device-to-host copy is still filling until :meth:`wait` returns; it
+            stays this batch's while the object is held (torch's caching allocator of pinned
+            memory hands it to a later batch only once it is freed and its copy is done).
+        pinned: whether ``states`` is such a buffer (a later batch reuses it once it is freed).
+    """
+
+    def __init__(self, indices: list[int], lengths: list[int], states: torch.Tensor, bad: torch.Tensor, ids: list[str], ready=None):
+        self.indices, self.lengths, self.states = indices, lengths, states
+        self._bad, self._ids, self._ready = bad, ids, ready
+        self.pinned = ready is not None
+
+    def wait(self) -> float:
+        """Block until the states are in host memory; returns the seconds waited.
+
+        Raises:
+            FloatingPointError: a sample's states contain NaN or Inf (names the first such sample).
+        """
+        t = time.perf_counter()
+        if self._ready is not None:
+            self._ready.synchronize()
+        waited = time.perf_counter() - t
+        if bool(self._bad.any()):
+            r = int(self._bad.nonzero()[0])
+            raise FloatingPointError(f"sample {self._ids[r]}: hidden states contain NaN/Inf")
+        return waited
+
+    def rows(self) -> list[tuple[int, torch.Tensor]]:
+        """``(position in samples, [T_i, L, H] view into states)`` per sample, after :meth:`wait`;
+        the views share the batch's buffer (copy what must outlive this object)."""
+        return [(i, self.states[r, :n]) for r, (i, n) in enumerate(zip(self.indices, self.lengths, strict=True))]
+
+
+def prefill_batches(
+    model, samples: Sequence[Sample], layer_ids: Sequence[int], *, batch_tokens: int, storage_dtype: torch.dtype
+) -> Iterator[HostBatch]:
+    """Prefill ``samples`` through a transformers model in length-sorted padded batches
+    (:func:`make_batches`, :func:`pad_batch`), capturing ``layer_ids`` (:class:`LayerCapture`).
+
+    On a GPU nothing here waits for the GPU: each batch's finiteness check runs on the device, and
+    its states (cast to ``storage_dtype``) and check result are copied into pinned host memory
+    asynchronously, behind the forward on the same stream, so the caller can write one batch while
+    the next is computed. The caller bounds how many batches it holds (each holds its buffer) and
+    calls :meth:`HostBatch.wait` before reading one. On the CPU the states are ready at once.
+
+    Yields:
+        :class:`HostBatch` per batch, in :func:`make_batches` order.
+    """
+    device = model.get_input_embeddings().weight.device
+    gpu = device.type == "cuda"
+    cap = LayerCapture(model.model, layer_ids)
+    lengths = [len(s.input_ids) for s in samples]
+    bar = progress(total=sum(lengths), desc="extract", unit="tok", unit_scale=True)
+    try:
+        for batch in make_batches(lengths, batch_tokens):
+            ids, attn = pad_batch(samples, batch)
+            if gpu:  # from pinned memory the copies need not wait for the batch before
+                ids, attn = ids.pin_memory(), attn.pin_memory()
+            attn = attn.to(device, non_blocking=gpu)
+            model.model(input_ids=ids.to(device, non_blocking=gpu), attention_mask=attn, use_cache=False)
+            states = cap.stacked()  # [B, T, L, H]
+            cap.captured.clear()
+            bad = ((~torch.isfinite(states).flatten(2).all(-1)) & attn.bool()).any(-1)  # [B]
+            states = states.to(storage_dtype)
+            ready = None
+            if states.device.type == "cuda":
+                host = torch.empty(states.shape, dtype=storage_dtype, pin_memory=True)
+                host.copy_(states, non_blocking=True)
+                bad_host = torch.empty(bad.shape, dtype=torch.bool, pin_memory=True)
+                bad_host.copy_(bad, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(states.device))
+                states, bad = host, bad_host
+            yield HostBatch(batch, [lengths[i] for i in batch], states, bad, [samples[i].id for i in batch], ready)
+            bar.update(sum(lengths[i] for i in batch))
+    finally:
+        bar.close()
+        cap.remove()
+
+
 @torch.inference_mode()
 def extract_hf(
     model, samples: Sequence[Sample], layer_ids: Sequence[int], *, batch_tokens: int, storage_dtype: torch.dtype
 ) -> list[torch.Tensor]:
-    """Prefill each sample through a transformers model and capture ``layer_ids``.
+    """Prefill each sample through a transformers model and capture ``layer_ids``, in memory
+    (:func:`prefill_batches`; the extraction job writes its batches into the shard instead).
 
     Samples are batched by length with right padding (causal attention: padded keys lie
-    after every real position, so real positions are unaffected). Each batch's states reach the
-    host through page-locked memory (:func:`to_host`).
+    after every real position, so real positions are unaffected).
 
     Returns:
         per sample, ``[T_i, L, H]`` in ``storage_dtype`` on CPU, input order.
@@ -168,45 +256,106 @@ def extract_hf(
     Raises:
         FloatingPointError: a sample's states contain NaN or Inf (names the sample).
     """
-    device = model.get_input_embeddings().weight.device
-    base = model.model
-    cap = LayerCapture(base, layer_ids)
     out: list[torch.Tensor | None] = [None] * len(samples)
-    lengths = [len(s.input_ids) for s in samples]
-    try:
-        bar = progress(total=sum(lengths), desc="extract", unit="tok", unit_scale=True)
-        for batch in make_batches(lengths, batch_tokens):
-            ids, attn = pad_batch(samples, batch)
-            attn = attn.to(device)
-            base(input_ids=ids.to(device), attention_mask=attn, use_cache=False)
-            states = cap.stacked()  # [B, T, L, H]
-            # one finiteness check and one device-to-host copy per batch (not per sample)
-            bad = (~torch.isfinite(states).flatten(2).all(-1)) & attn.bool()  # [B, T]
-            if bad.any():
-                r = int(bad.any(-1).nonzero()[0])
-                raise FloatingPointError(f"sample {samples[batch[r]].id}: hidden states contain NaN/Inf")
-            host = to_host(states.to(storage_dtype))
-            pinned = states.device.type != "cpu"  # the buffer is the next batch's: copy out what is kept
-            for r, i in enumerate(batch):
-                out[i] = host[r, : lengths[i]].clone() if pinned else host[r, : lengths[i]]
-            cap.captured.clear()
-            bar.update(sum(lengths[i] for i in batch))
-        bar.close()
-    finally:
-        cap.remove()
+    for hb in prefill_batches(model, samples, layer_ids, batch_tokens=batch_tokens, storage_dtype=storage_dtype):
+        hb.wait()
+        for i, x in hb.rows():  # a pinned buffer goes to a later batch: copy out what is kept
+            out[i] = x.clone() if hb.pinned else x
     return out  # type: ignore[return-value]
+
+
+class BatchWriter:
+    """A thread that writes each batch's states into the shard as their copy arrives, and a chunk's
+    done marker after its last batch: the extraction job's GPU computes the next batches meanwhile.
+
+    At most ``depth`` batches wait in its queue (each holds its pinned buffer); :meth:`put` blocks
+    while the queue is full. An error in the thread (a NaN sample, a failed write) is raised by the
+    next :meth:`put` or by :meth:`close`, unchanged; chunks marked done before it are kept.
+
+    ``stats``: batches, bytes, and seconds the thread spent waiting for the device-to-host copies
+    (``copy_wait``) and writing (``write``), and the caller spent blocked on a full queue
+    (``queue_full``).
+    """
+
+    def __init__(self, shard: ShardWriter, store, rows: Sequence[int], num_chunks: int, depth: int = 2):
+        import queue
+        import threading
+
+        self._shard, self._store, self._rows, self._num_chunks = shard, store, rows, num_chunks
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._error: BaseException | None = None
+        self._abort = False
+        self.stats = {"batches": 0, "bytes": 0, "copy_wait_seconds": 0.0, "write_seconds": 0.0, "queue_full_seconds": 0.0}
+        self._thread = threading.Thread(target=self._run, name="shard-writer", daemon=True)
+        self._thread.start()
+
+    def batch(self, hb: HostBatch, first: int) -> None:
+        """Write ``hb``, whose positions count from sample ``first`` of the job."""
+        self._put(("batch", hb, first))
+
+    def chunk_done(self, index: int, first: int, end: int, num_tokens: int) -> None:
+        """Mark chunk ``index`` (samples ``first`` to ``end - 1``) done once its batches are written."""
+        self._put(("done", index, first, end, num_tokens))
+
+    def close(self, abort: bool = False) -> None:
+        """Write what is queued (``abort``: drop it), stop the thread, raise its error if any."""
+        self._abort = abort
+        if self._thread.is_alive():
+            self._put(None, check=not abort)
+            self._thread.join()
+        if self._error is not None and not abort:
+            raise self._error
+
+    def _put(self, item, check: bool = True) -> None:
+        import queue
+
+        t = time.perf_counter()
+        while True:
+            if check and self._error is not None:
+                raise self._error
+            if not self._thread.is_alive():
+                return
+            try:
+                self._queue.put(item, timeout=0.2)
+                break
+            except queue.Full:
+                continue
+        self.stats["queue_full_seconds"] += time.perf_counter() - t
+
+    def _run(self) -> None:
+        try:
+            while (item := self._queue.get()) is not None:
+                if self._abort or self._error is not None:
+                    continue
+                if item[0] == "batch":
+                    _, hb, first = item
+                    self.stats["copy_wait_seconds"] += hb.wait()
+                    t = time.perf_counter()
+                    for i, x in hb.rows():
+                        self.stats["bytes"] += self._shard.write_states(self._rows[first + i], x)
+                    self.stats["write_seconds"] += time.perf_counter() - t
+                    self.stats["batches"] += 1
+                else:
+                    _, index, first, end, num_tokens = item
+                    with self._store.writing(index) as marker:
+                        mark_chunk_done(marker, end - first, num_tokens)
+                    logger.info("chunk %d/%d done (samples %d-%d)", index + 1, self._num_chunks, first, end - 1)
+        except BaseException as e:  # raised in the caller's thread
+            self._error = e
+            while self._queue.get() is not None:  # let the caller's puts through until close
+                pass
 
 
 def extraction_replica(job: dict, rank: int, chunks) -> None:
     """One model replica of an extraction job: extract the chunks it takes from ``chunks``.
 
     Runs in the job's process (one replica) or in a spawned replica process
-    (:func:`eagle3_pipeline.parallel.run_replicas`); writes each chunk's states into the
-    job's preallocated shard (:class:`eagle3_pipeline.shards.ShardWriter`), then the chunk's done marker
-    (:func:`eagle3_pipeline.shards.mark_chunk_done`), and its timing to ``replica-<rank>.json`` in the chunk store.
+    (:func:`eagle3_pipeline.parallel.run_replicas`); a :class:`BatchWriter` writes each batch's
+    states into the job's preallocated shard (:class:`eagle3_pipeline.shards.ShardWriter`) while
+    the next batches are computed, then each chunk's done marker
+    (:func:`eagle3_pipeline.shards.mark_chunk_done`); the replica's timing and the writer's
+    figures (``writer``) go to ``replica-<rank>.json`` in the chunk store.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
     from .io import write_json_atomic
     from .precision import check_device_available
     from .resume import ChunkStore
@@ -224,33 +373,36 @@ def extraction_replica(job: dict, rank: int, chunks) -> None:
     load_s = load.seconds
     run = Timer()
     tokens = done = 0
-    shard = ShardWriter.open(job["shard_file"])
-
-    def write(i: int, a: int, b: int, states: list[torch.Tensor]) -> None:
-        with store.writing(i) as marker:
-            for k, x in enumerate(states):
-                shard.write_states(rows[a + k], x)
-            mark_chunk_done(marker, b - a, sum(len(x.input_ids) for x in samples[a:b]))
-        logger.info("chunk %d/%d done (samples %d-%d)", i + 1, len(ranges), a, b - 1)
-
-    # a chunk is written by a background thread while the next one is extracted (one in flight)
-    with shard, ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as pool:
-        pending = None
-        for i in chunks:
-            a, b = ranges[i]
-            states = extract_hf(model, samples[a:b], job["layer_ids"], batch_tokens=cfg["batch_tokens"], storage_dtype=compute_dtype)
-            if pending is not None:
-                pending.result()
-            pending = pool.submit(write, i, a, b, states)
-            tokens += sum(len(s.input_ids) for s in samples[a:b])
-            done += 1
-        if pending is not None:
-            pending.result()
+    with ShardWriter.open(job["shard_file"]) as shard, torch.inference_mode():
+        writer = BatchWriter(shard, store, rows, len(ranges))
+        try:
+            for i in chunks:
+                a, b = ranges[i]
+                for hb in prefill_batches(
+                    model, samples[a:b], job["layer_ids"], batch_tokens=cfg["batch_tokens"], storage_dtype=compute_dtype
+                ):
+                    writer.batch(hb, a)
+                    del hb  # the writer holds the batch's pinned buffer until it is written
+                n = sum(len(s.input_ids) for s in samples[a:b])
+                writer.chunk_done(i, a, b, n)
+                tokens += n
+                done += 1
+        except BaseException:
+            writer.close(abort=True)
+            raise
+        writer.close()
     extract_s = run.seconds
     del model  # give the GPU memory back before the job's next model (or a vLLM engine) loads
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     write_json_atomic(
         store.dir / f"replica-{rank}.json",
-        {"rank": rank, "chunks": done, "model_load_seconds": load_s, "extract_seconds": extract_s, "tokens": tokens},
+        {
+            "rank": rank,
+            "chunks": done,
+            "model_load_seconds": load_s,
+            "extract_seconds": extract_s,
+            "tokens": tokens,
+            "writer": writer.stats,
+        },
     )
