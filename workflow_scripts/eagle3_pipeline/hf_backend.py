@@ -284,7 +284,6 @@ class BatchWriter:
         self._shard, self._store, self._rows, self._num_chunks = shard, store, rows, num_chunks
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._error: BaseException | None = None
-        self._abort = False
         self.stats = {"batches": 0, "bytes": 0, "copy_wait_seconds": 0.0, "write_seconds": 0.0, "queue_full_seconds": 0.0}
         self._thread = threading.Thread(target=self._run, name="shard-writer", daemon=True)
         self._thread.start()
@@ -298,8 +297,8 @@ class BatchWriter:
         self._put(("done", index, first, end, num_tokens))
 
     def close(self, abort: bool = False) -> None:
-        """Write what is queued (``abort``: drop it), stop the thread, raise its error if any."""
-        self._abort = abort
+        """Write what is queued (its finished chunks are marked done), stop the thread, and raise
+        its error if any; ``abort`` (the caller is raising an error of its own): do not raise it."""
         if self._thread.is_alive():
             self._put(None, check=not abort)
             self._thread.join()
@@ -325,8 +324,6 @@ class BatchWriter:
     def _run(self) -> None:
         try:
             while (item := self._queue.get()) is not None:
-                if self._abort or self._error is not None:
-                    continue
                 if item[0] == "batch":
                     _, hb, first = item
                     self.stats["copy_wait_seconds"] += hb.wait()
