@@ -194,7 +194,7 @@ class HostBatch:
 
 
 def prefill_batches(
-    model, samples: Sequence[Sample], layer_ids: Sequence[int], *, batch_tokens: int, storage_dtype: torch.dtype
+    model, samples: Sequence[Sample], layer_ids: Sequence[int], *, batch_tokens: int, storage_dtype: torch.dtype, bar=None
 ) -> Iterator[HostBatch]:
     """Prefill ``samples`` through a transformers model in length-sorted padded batches
     (:func:`make_batches`, :func:`pad_batch`), capturing ``layer_ids`` (:class:`LayerCapture`).
@@ -204,6 +204,8 @@ def prefill_batches(
     asynchronously, behind the forward on the same stream, so the caller can write one batch while
     the next is computed. The caller bounds how many batches it holds (each holds its buffer) and
     calls :meth:`HostBatch.wait` before reading one. On the CPU the states are ready at once.
+    ``bar``: a progress bar (:func:`eagle3_pipeline.runtime.progress`) advanced by each batch's
+    tokens, e.g. the whole job's; by default one of these samples' own.
 
     Yields:
         :class:`HostBatch` per batch, in :func:`make_batches` order.
@@ -212,7 +214,9 @@ def prefill_batches(
     gpu = device.type == "cuda"
     cap = LayerCapture(model.model, layer_ids)
     lengths = [len(s.input_ids) for s in samples]
-    bar = progress(total=sum(lengths), desc="extract", unit="tok", unit_scale=True)
+    own_bar = bar is None
+    if own_bar:
+        bar = progress(total=sum(lengths), desc="extract", unit="tok", unit_scale=True)
     try:
         for batch in make_batches(lengths, batch_tokens):
             ids, attn = pad_batch(samples, batch)
@@ -236,7 +240,8 @@ def prefill_batches(
             yield HostBatch(batch, [lengths[i] for i in batch], states, bad, [samples[i].id for i in batch], ready)
             bar.update(sum(lengths[i] for i in batch))
     finally:
-        bar.close()
+        if own_bar:
+            bar.close()
         cap.remove()
 
 
@@ -359,6 +364,7 @@ def extraction_replica(job: dict, rank: int, chunks) -> None:
     from .runtime import Timer
 
     cfg, samples, ranges, rows = job["cfg"], job["samples"], job["ranges"], job["rows"]
+    todo_tokens = sum(len(s.input_ids) for i in job["todo"] for s in samples[ranges[i][0] : ranges[i][1]])
     store = ChunkStore.attach(job["out_shard"], DONE_SUFFIX)
     dtype = STORAGE_DTYPES[cfg["storage_dtype"]]
     compute_dtype = torch.bfloat16 if dtype == FP8 else dtype
@@ -370,13 +376,15 @@ def extraction_replica(job: dict, rank: int, chunks) -> None:
     load_s = load.seconds
     run = Timer()
     tokens = done = 0
+    # one bar over the job's chunks still to do (a data-parallel replica advances it by its own batches)
+    bar = progress(total=todo_tokens, desc="extract", unit="tok", unit_scale=True)
     with ShardWriter.open(job["shard_file"]) as shard, torch.inference_mode():
         writer = BatchWriter(shard, store, rows, len(ranges))
         try:
             for i in chunks:
                 a, b = ranges[i]
                 for hb in prefill_batches(
-                    model, samples[a:b], job["layer_ids"], batch_tokens=cfg["batch_tokens"], storage_dtype=compute_dtype
+                    model, samples[a:b], job["layer_ids"], batch_tokens=cfg["batch_tokens"], storage_dtype=compute_dtype, bar=bar
                 ):
                     writer.batch(hb, a)
                     del hb  # the writer holds the batch's pinned buffer until it is written
@@ -388,6 +396,7 @@ def extraction_replica(job: dict, rank: int, chunks) -> None:
             writer.close(abort=True)
             raise
         writer.close()
+    bar.close()
     extract_s = run.seconds
     del model  # give the GPU memory back before the job's next model (or a vLLM engine) loads
     if torch.cuda.is_available():
