@@ -1026,6 +1026,9 @@ def train(
         if step < total_steps:
             with outside_steps("checkpoints"):
                 snapshot(epoch + 1, 0)
+    if bar.total and bar.n < bar.total:  # the last epoch packed fewer batches than the schedule's estimate
+        bar.total = bar.n
+        bar.refresh()
     bar.close()
     train_seconds = timer.seconds
     steady_seconds = train_seconds - warm_mark[0] - off_steps["after_warm_up"] if warm_mark else 0.0
