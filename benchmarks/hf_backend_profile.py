@@ -18,6 +18,13 @@ tokens (the range of ``vs_speculators.py``'s ShareGPT samples), and times on the
   (dynamic shapes), its first pass (compilation) timed apart, and ``compiled_extract_hf``:
   ``extract_hf`` itself with the compiled decoder (hooks included), after a whole pass, with its
   largest error against the eager ``extract_hf`` over 8 samples;
+* ``writes_<way>_bt<N>`` (``--writes DIR``): the extraction job's loop, states written into a
+  shard in ``DIR`` in chunks of 64 samples, two ways taking turns (twice each): ``per_chunk``,
+  as the job did before: ``extract_hf`` over a chunk (each batch copied to the host, then each
+  sample out of the pinned buffer), then one thread writes the chunk while the next is
+  extracted; ``batch_writer``, as the job does now (``hf_backend.prefill_batches`` and
+  ``BatchWriter``): each batch written straight from its pinned buffer while the GPU computes
+  the next, with the writer's figures;
 * ``packed_<attn>`` (``--packed sdpa flex_attention``): the decoder over padding-free rows of up
   to ``batch_tokens`` tokens, samples back to back with positions restarting at 0, which
   transformers masks per sample in that attention implementation (flex attention skips the
@@ -33,6 +40,7 @@ the wall time the GPU had no kernel running. MFU = tokens/s x 2 x parameters / `
 Run (GPU host: host torch and transformers suffice; CPU: ``--tiny``, a test-sized shape)::
 
     python benchmarks/hf_backend_profile.py --out benchmarks/results/hf_backend_profile_h200.json --profile --compile --packed sdpa flex_attention
+    python benchmarks/hf_backend_profile.py --out writes.json --batch-tokens 8192 --writes /tmp/hfw   # the job's writes, before/after
     .venv/bin/python benchmarks/hf_backend_profile.py --tiny --samples 6 --min-len 40 --max-len 90 --batch-tokens 256 --profile --packed sdpa   # CPU
 
 On a CPU the kernel classes are empty (no device events) and MFU is against ``--peak-tflops``, a GPU's.
@@ -221,6 +229,58 @@ def host_copy(batch_tokens: int, layers: int, hidden: int, rounds: int = 3) -> d
     }
 
 
+def job_writes(model, samples, layer_ids: list[int], batch_tokens: int, folder: Path, way: str, chunk: int = 64) -> dict:
+    """The extraction job's loop over ``samples`` in chunks of ``chunk``, its states written into a
+    fresh shard in ``folder``: ``per_chunk`` (the job before ``BatchWriter``: ``extract_hf`` per
+    chunk, one chunk written by a thread while the next is extracted) or ``batch_writer`` (the job
+    now). Returns seconds from the first forward to the last byte written (the shard created
+    before), and the writer's figures for ``batch_writer``."""
+    import shutil
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from eagle3_pipeline.hf_backend import BatchWriter, extract_hf, prefill_batches
+    from eagle3_pipeline.resume import ChunkStore
+    from eagle3_pipeline.shards import DONE_SUFFIX, ShardWriter
+
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    rows = np.concatenate([[0], np.cumsum([len(s.input_ids) for s in samples])[:-1]]).tolist()
+    ranges = [(a, min(a + chunk, len(samples))) for a in range(0, len(samples), chunk)]
+    store = ChunkStore.attach(folder / "shard.safetensors", DONE_SUFFIX)
+    store.dir.mkdir()
+    kw = dict(layer_ids=layer_ids, aux_layer_ids=layer_ids[:-1], hidden_size=model.config.hidden_size, storage_dtype=torch.bfloat16)
+    out: dict = {}
+    with ShardWriter.create(folder / "partial.safetensors", samples, **kw) as shard, torch.inference_mode():
+        t = time.perf_counter()
+        if way == "per_chunk":
+
+            def write(a: int, states: list) -> None:
+                for k, x in enumerate(states):
+                    shard.write_states(rows[a + k], x)
+
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                pending = None
+                for a, b in ranges:
+                    states = extract_hf(model, samples[a:b], layer_ids, batch_tokens=batch_tokens, storage_dtype=torch.bfloat16)
+                    if pending is not None:
+                        pending.result()
+                    pending = pool.submit(write, a, states)
+                pending.result()
+        else:
+            writer = BatchWriter(shard, store, rows, len(ranges))
+            for i, (a, b) in enumerate(ranges):
+                for hb in prefill_batches(model, samples[a:b], layer_ids, batch_tokens=batch_tokens, storage_dtype=torch.bfloat16):
+                    writer.batch(hb, a)
+                writer.chunk_done(i, a, b, sum(len(s.input_ids) for s in samples[a:b]))
+            writer.close()
+            out["writer"] = {k: round(v, 3) if isinstance(v, float) else v for k, v in writer.stats.items()}
+        seconds = time.perf_counter() - t
+    shutil.rmtree(folder, ignore_errors=True)
+    return {"seconds": seconds} | out
+
+
 def measure(args, results: phases.Results) -> None:
     """Each measurement a phase of its own in ``results`` (``setup`` first): one that fails (a
     kernel the GPU lacks, memory) is recorded with its error and the others still run."""
@@ -279,6 +339,17 @@ def measure(args, results: phases.Results) -> None:
         )
 
         results.inline(f"extract_hf_bt{bt}", timed, lambda bt=bt: ext(samples, bt), lambda bt=bt: ext(warm, bt))
+    if args.writes:
+        bt = args.batch_tokens[0]
+        job_writes(model, warm, layer_ids, bt, Path(args.writes), "batch_writer")  # warm-up
+        for turn in (1, 2):
+            for way in ("per_chunk", "batch_writer"):
+
+                def writes(way=way) -> dict:
+                    got = job_writes(model, samples, layer_ids, bt, Path(args.writes), way)
+                    return rate(got.pop("seconds")) | got
+
+                results.inline(f"writes_{way}_bt{bt}_{turn}", writes)
     results.inline("batch1", timed, lambda: run_batch1(model, samples, device), lambda: run_batch1(model, warm, device))
     results.inline(
         "padded_error", lambda: {"max_rel_error_vs_batch1": round(padded_error(model, samples, args.batch_tokens[0], device), 5)}
@@ -356,6 +427,9 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="default: cuda when a GPU is visible, else cpu")
     ap.add_argument("--peak-tflops", type=float, default=790.0)
     ap.add_argument("--profile", action="store_true", help="add a torch.profiler breakdown of extract_hf")
+    ap.add_argument(
+        "--writes", metavar="DIR", help="also time the extraction job's writes into a shard in DIR, before and after BatchWriter"
+    )
     ap.add_argument("--compile", action="store_true", help="also time the padded forward with the decoder under torch.compile")
     ap.add_argument(
         "--packed",

@@ -361,17 +361,18 @@ def test_the_hf_backend_profile_runs_as_documented_at_a_tiny_shape(tmp_path):
 
     out = tmp_path / "p.json"
     cmd = [sys.executable, str(ROOT / "benchmarks/hf_backend_profile.py"), "--tiny", "--samples", "6", "--min-len", "40",
-           "--max-len", "90", "--batch-tokens", "256", "--peak-tflops", "1", "--profile", "--packed", "sdpa", "--out", str(out)]  # fmt: skip
+           "--max-len", "90", "--batch-tokens", "256", "--peak-tflops", "1", "--profile", "--packed", "sdpa", "--out", str(out),
+           "--writes", str(tmp_path / "w")]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(out.read_text())
     m = doc["phases"]
     rng = np.random.default_rng(0)
-    tokens = 0
+    lengths = []
     for _ in range(6):  # make_samples' draws: a length, then that many ids
-        t = int(rng.integers(40, 91))
-        rng.integers(0, 4096, size=t)
-        tokens += t
+        lengths.append(int(rng.integers(40, 91)))
+        rng.integers(0, 4096, size=lengths[-1])
+    tokens = sum(lengths)
     assert doc["failed"] == [] and m["setup"]["tokens"] == tokens and m["setup"]["layer_ids"] == [2, 4, 5, 8]
     # padding-free rows, masked per sample by transformers: the same states as one sample at a time, to bf16 rounding
     assert m["packed_sdpa_bt256"]["max_rel_error_vs_batch1"] < 0.02 and m["padded_error"]["max_rel_error_vs_batch1"] < 0.02
@@ -379,6 +380,15 @@ def test_the_hf_backend_profile_runs_as_documented_at_a_tiny_shape(tmp_path):
         assert m[k]["tokens_per_second"] == pytest.approx(tokens / m[k]["seconds"], rel=0.01)
         assert m[k]["mfu"] == pytest.approx(m[k]["tokens_per_second"] * 2 * m["setup"]["parameters"] / 1e12, rel=0.01)
     assert m["profile_extract_hf_bt256"]["samples"] == 4
+    # the job's writes, both ways: the batch writer wrote every token's 4 layers x 256 bf16 once, in
+    # make_batches' batches of the one chunk, and the shard's folder is gone
+    from eagle3_pipeline.hf_backend import make_batches
+
+    for turn in (1, 2):
+        w = m[f"writes_batch_writer_bt256_{turn}"]["writer"]
+        assert w["bytes"] == tokens * 4 * 256 * 2 and w["batches"] == len(make_batches(lengths, 256))
+        assert m[f"writes_per_chunk_bt256_{turn}"]["tokens_per_second"] > 0
+    assert not (tmp_path / "w").exists()
 
 
 @pytest.mark.processes
