@@ -13,7 +13,7 @@ tokens (the range of ``vs_speculators.py``'s ShareGPT samples), and times on the
 * ``batch1``: the decoder over one sample at a time (no padding, no mask), no copies, and
   ``padded_error``: how far the padded batch's states are from it (another batch shape's rounding);
 * ``host_copy`` (GPU): one batch's states brought to the host, into pageable memory against
-  the backend's pinned buffer (``hf_backend.to_host``);
+  a pinned buffer, as the backend copies into (``hf_backend.prefill_batches``);
 * ``compiled_forward`` (``--compile``): ``forward`` with the decoder under ``torch.compile``
   (dynamic shapes), its first pass (compilation) timed apart, and ``compiled_extract_hf``:
   ``extract_hf`` itself with the compiled decoder (hooks included), after a whole pass, with its
@@ -205,12 +205,16 @@ def padded_error(model, samples, batch_tokens: int, device: str, n: int = 4) -> 
 def host_copy(batch_tokens: int, layers: int, hidden: int, rounds: int = 3) -> dict:
     """Seconds to bring one batch's captured states (``batch_tokens`` x ``layers`` x ``hidden`` bf16)
     from the GPU to the host: into ordinary (pageable) memory, as the backend did, against
-    ``hf_backend.to_host`` (a pinned buffer) plus the copy out of it that the backend keeps."""
+    a pinned buffer from torch's caching allocator, as ``hf_backend.prefill_batches`` copies into,
+    and that plus a copy out of it on the host (what the backend kept before it wrote batches
+    straight from the buffer)."""
     import torch
 
-    from eagle3_pipeline.hf_backend import to_host
-
     x = torch.randn(batch_tokens, layers, hidden, device="cuda", dtype=torch.bfloat16)
+
+    def pinned(x: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        return host.copy_(x)
 
     def secs(fn) -> float:
         fn()
@@ -224,8 +228,8 @@ def host_copy(batch_tokens: int, layers: int, hidden: int, rounds: int = 3) -> d
     return {
         "bytes": x.numel() * x.element_size(),
         "pageable_seconds": secs(lambda: x.to("cpu")),
-        "pinned_seconds": secs(lambda: to_host(x)),
-        "pinned_and_copy_out_seconds": secs(lambda: to_host(x).clone()),
+        "pinned_seconds": secs(lambda: pinned(x)),
+        "pinned_and_copy_out_seconds": secs(lambda: pinned(x).clone()),
     }
 
 

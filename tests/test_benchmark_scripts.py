@@ -520,7 +520,9 @@ def test_the_hf_backend_profile_needs_only_torch_and_transformers_of_the_workflo
         sys.path[:0] = [{str(ROOT / "benchmarks")!r}]
         import hf_backend_profile
         from eagle3_pipeline.conventions import resolve_layer_ids
-        from eagle3_pipeline.hf_backend import extract_hf, make_batches, pad_batch, to_host
+        from eagle3_pipeline.hf_backend import BatchWriter, extract_hf, make_batches, pad_batch, prefill_batches
+        from eagle3_pipeline.resume import ChunkStore
+        from eagle3_pipeline.shards import ShardWriter
         from eagle3_pipeline.plan import estimate_params
         print("imports ok")
     """)

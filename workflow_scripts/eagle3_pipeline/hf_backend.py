@@ -134,25 +134,6 @@ def pad_batch(samples: Sequence[Sample], batch: Sequence[int], pad_id: int = 0) 
     return ids, attn
 
 
-def to_host(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in host memory: itself when it is there already, else copied from the GPU through a
-    page-locked (pinned) buffer, which the caller copies what it keeps out of before the next call.
-
-    A copy from the GPU into ordinary (pageable) memory runs at the speed of the driver's own
-    staging: for a batch of 8,192 tokens x 4 layers of an 8B target (268 MB, H100) 0.18 s
-    (1.5 GB/s), against 4.9 ms into a pinned buffer and 29-31 ms with the copy out of it on the
-    host (``host_copy`` in ``benchmarks/results/hf_backend_profile_after_h100.json``); before,
-    the copies took as much GPU time as the batches' matrix products. The buffer comes from
-    torch's caching allocator of pinned memory, which hands the freed block to the next batch
-    instead of pinning new memory each time.
-    """
-    if x.device.type == "cpu":
-        return x
-    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-    host.copy_(x)
-    return host
-
-
 class HostBatch:
     """One padded batch's captured states on their way to the host (:func:`prefill_batches`).
 
@@ -163,7 +144,10 @@ class HostBatch:
         states: ``[B, T_max, L, H]`` in the storage dtype, in host memory: on a GPU a pinned
             buffer that the device-to-host copy is still filling until :meth:`wait` returns; it
             stays this batch's while the object is held (torch's caching allocator of pinned
-            memory hands it to a later batch only once it is freed and its copy is done).
+            memory hands it to a later batch only once it is freed and its copy is done). A copy
+            into pageable memory instead ran at the driver's staging speed: 0.18 s (1.5 GB/s) for a
+            batch of 8,192 tokens x 4 layers of an 8B target on an H100, against 4.9 ms into a pinned
+            buffer (``host_copy`` in ``benchmarks/results/hf_backend_profile_after_h100.json``).
         pinned: whether ``states`` is such a buffer (a later batch reuses it once it is freed).
     """
 
@@ -273,9 +257,9 @@ class BatchWriter:
     """A thread that writes each batch's states into the shard as their copy arrives, and a chunk's
     done marker after its last batch: the extraction job's GPU computes the next batches meanwhile.
 
-    At most ``depth`` batches wait in its queue (each holds its pinned buffer); :meth:`put` blocks
-    while the queue is full. An error in the thread (a NaN sample, a failed write) is raised by the
-    next :meth:`put` or by :meth:`close`, unchanged; chunks marked done before it are kept.
+    At most ``depth`` batches wait in its queue (each holds its pinned buffer); :meth:`batch` and
+    :meth:`chunk_done` block while the queue is full. An error in the thread (a NaN sample, a failed
+    write) is raised by the next of them or by :meth:`close`, unchanged; chunks marked done before it are kept.
 
     ``stats``: batches, bytes, and seconds the thread spent waiting for the device-to-host copies
     (``copy_wait``) and writing (``write``), and the caller spent blocked on a full queue
