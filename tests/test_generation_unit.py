@@ -756,3 +756,107 @@ def test_a_training_loss_speculators_does_not_know_stops_the_run_at_its_start():
         why = snakemake_adapter.problem_at_start([train], validate_config({"training": {"loss": bad}}), None)
         assert why is not None and why.startswith(f"training.loss: {bad!r} is not a loss speculators knows: "), why
     assert snakemake_adapter.problem_at_start([{"rule": "generate_traces"}], validate_config({"training": {"loss": "foo"}}), None) is None
+
+
+def _decode_side_by_side(lengths, slots, prog, clock):
+    """Drive ``prog`` as an engine decoding up to ``slots`` answers side by side would: each step
+    adds one token to every running answer and takes ``0.2 + running / slots`` seconds of
+    ``clock["now"]`` (a smaller batch steps faster), and ``clock["generated"]`` counts the tokens."""
+    waiting, running = list(lengths), []
+    while waiting or running:
+        while waiting and len(running) < slots:
+            running.append([waiting.pop(0), 0])
+            prog.added(1)
+        prog.poll()
+        yield
+        clock["now"] += 0.2 + len(running) / slots
+        for r in running:
+            r[1] += 1
+            clock["generated"] += 1
+        for r in [r for r in running if r[1] == r[0]]:
+            running.remove(r)
+            prog.finished([r[0]])
+
+
+@pytest.mark.parametrize("case", ["held_at_once", "streamed"])
+def test_generations_progress_counts_tokens_so_its_eta_holds(monkeypatch, case):
+    """Answers decoded side by side end together, so finished prompts say little early on (the
+    demo's first ETA was 10x the real one); the bar counts generated tokens against the answers'
+    expected total, so its ETA holds from early on."""
+    import numpy as np
+
+    from eagle3_pipeline import generation
+
+    monkeypatch.setattr(generation, "COUNTER_SECONDS", 0.0)
+    rng = np.random.default_rng(0)
+    if case == "held_at_once":  # the demo: 300 prompts, 256 in the engine, 2 in 3 answers cut at max_tokens
+        prompts, slots, lengths = 300, 256, np.where(rng.random(300) < 2 / 3, 256, rng.integers(20, 256, 300))
+    else:  # many prompts streamed through the engine
+        prompts, slots, lengths = 2000, 64, rng.integers(20, 256, 2000)
+    lengths = [int(x) for x in lengths]
+    clock = {"now": 0.0, "generated": 0}
+    prog = generation.CompletionProgress(prompts, 1, 256, read_generated=lambda: clock["generated"], clock=lambda: clock["now"])
+    assert prog.bar.total == round(prompts * 0.79 * 256)  # before any answer: the plan's answer length
+    seen = []  # (seconds, bar position, bar total, prompts done) before each step
+    for _ in _decode_side_by_side(lengths, slots, prog, clock):
+        assert prog.bar.n == clock["generated"]
+        seen.append((clock["now"], prog.bar.n, prog.bar.total, prog.prompts_done))
+    end = clock["now"]
+    prog.close(complete=True)
+    assert prog.bar.n == prog.bar.total == sum(lengths) and prog.prompts_done == prompts
+    for now, n, total, done in seen:
+        if not 0.1 * end <= now <= 0.9 * end:
+            continue
+        eta = (total - n) / (n / now) / (end - now)  # at the bar's mean rate so far, over the real one
+        prompt_eta = (prompts - done) / (done / now) / (end - now) if done else float("inf")  # a bar over prompts
+        if case == "streamed":  # the lengths are learnt as answers end: the total and ETA hold
+            assert 0.9 < total / sum(lengths) < 1.1 and 0.85 < eta < 1.15, (now / end, total / sum(lengths), eta)
+        else:  # the answers in flight are learnt only as they end, and tokens/s falls as the batch empties
+            assert 0.75 < total / sum(lengths) < 1.3, (now / end, total / sum(lengths))
+            if now < 0.2 * end:  # where a bar over prompts was 4x off and more
+                assert 0.8 < eta < 1.25 and prompt_eta > 4, (now / end, eta, prompt_eta)
+
+
+def test_generations_progress_without_a_counter_and_with_rejected_prompts():
+    from eagle3_pipeline.generation import CompletionProgress, generated_tokens_counter
+
+    prog = CompletionProgress(10, 2, 100)  # the plan's answer: 79% of max_tokens
+    assert prog.bar.total == 10 * 2 * 79
+    prog.added(0, rejected=4)  # refused before the engine: done, and no longer in the total
+    prog.update()
+    assert prog.prompts_done == 4 and prog.bar.total == 6 * 2 * 79
+    prog.added(6)
+    prog.finished([50, 30])  # without a counter the bar moves as answers end
+    prog.update()
+    assert prog.bar.n == 80 and prog.prompts_done == 5 and prog.bar.postfix == "5/10 prompts"
+    # the 10 answers in flight hold g = 0 tokens so far: each is expected at the mean of the finished
+    # answers longer than 0 (50 and 30) blended, as 8 answers, with 0 + 80 generated / 2 ended = 40
+    assert prog.bar.total == round(80 + 10 * (80 + 8 * 40) / 10)
+    prog.close(complete=False)  # a failed run keeps its estimate
+    assert prog.bar.total == 480
+
+    # with the engine's counter: the 10 answers in flight hold g = 60 tokens each so far and no finished
+    # answer is longer: each is expected at 60 + min(100 - 60, 680 generated / 2 ended) = 100
+    gen = {"n": 0}
+    prog = CompletionProgress(6, 2, 100, read_generated=lambda: gen["n"])
+    prog.added(6)
+    prog.finished([50, 30])
+    gen["n"] = 80 + 10 * 60
+    prog.update()
+    assert prog.bar.n == 680 and prog.bar.total == 80 + 10 * 100
+    prog.finished([90, 100])  # two more ended: g = (680 - 270) / 8 = 51.25, and 90 and 100 are longer
+    prog.update()
+    each = (190 + 8 * (51.25 + min(100 - 51.25, 680 / 4))) / (2 + 8)
+    assert prog.bar.total == round(270 + 8 * each)
+
+    # the engine's counter, from what it held when the reader was made
+    values = iter([1000, 1000, 1250])
+    llm = SimpleNamespace(get_metrics=lambda: [SimpleNamespace(name="vllm:generation_tokens", value=next(values))])
+    read = generated_tokens_counter(llm)
+    assert read() == 0 and read() == 250
+
+    def stats_off():
+        raise AssertionError("Stat logging disabled")
+
+    assert generated_tokens_counter(SimpleNamespace(get_metrics=stats_off)) is None
+    assert generated_tokens_counter(SimpleNamespace()) is None  # an engine without metrics
