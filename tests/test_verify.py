@@ -82,6 +82,30 @@ def test_altered_and_missing_trace_shards_are_named(tmp_path):
     assert f"{tmp_path / 'shard-00001.jsonl'}: missing" in problems
 
 
+
+def test_damaged_records_are_named_and_the_other_shards_still_checked(tmp_path):
+    """A cut index, an index that is not an object and a cut trace summary each name their file
+    and what to do; verify used to stop at the first with a raw JSONDecodeError."""
+    traces, hs = make_run(tmp_path)
+    other = tmp_path / "two"
+    other.mkdir()
+    traces2, hs2 = make_run(other)
+    index = tmp_path / "shard-00000.index.json"
+    index.write_text(index.read_text()[:40])
+    (other / "shard-00000.index.json").write_text("[]")
+    summary = other / "shard-00000.summary.json"
+    summary.write_text(summary.read_text()[:10])
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text('{"artifacts": {')
+    res = verify_run([str(traces), str(traces2)], [str(hs), str(hs2)], str(manifest))
+    assert len(res["problems"]) == 4 and res["checked"] == 4, res["problems"]
+    cut_summary, cut, listed, cut_manifest = res["problems"]  # trace shards, hidden-state shards, the manifest
+    assert cut.startswith(f"{index}: unreadable record (") and f"--forcerun {hs}" in cut
+    assert listed.startswith(f"{other / 'shard-00000.index.json'}: not a JSON object")
+    assert cut_summary.startswith(f"{summary}: unreadable record (") and f"--forcerun {traces2}" in cut_summary
+    assert cut_manifest.startswith(f"{manifest}: unreadable record (")
+
+
 # --- consumers check what their producers recorded -----------------------------------------------
 
 

@@ -14,13 +14,12 @@ named. Each file is read once even when both checks cover it.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
 from .generation import traces_summary_path
-from .io import remake_hint
+from .io import InputError, read_record, remake_hint
 from .lineage import Hasher, check_manifest
 
 
@@ -30,7 +29,10 @@ def _check_trace_shard(path: Path, hasher: Hasher) -> list[str]:
         return [f"{path}: missing"]
     if not summary.is_file():
         return [f"{summary}: manifest missing"]
-    m = json.loads(summary.read_text())
+    try:
+        m = read_record(summary, path)
+    except InputError as e:  # not JSON, or not an object
+        return [str(e)]
     problems = []
     digest = hasher.file(path)
     if digest != m.get("traces_sha256"):
@@ -50,7 +52,10 @@ def _check_hidden_shard(path: Path, hasher: Hasher) -> list[str]:
         return [f"{path}: missing"]
     if not index.is_file():
         return [f"{index}: manifest missing"]
-    m = json.loads(index.read_text())
+    try:
+        m = read_record(index, path)
+    except InputError as e:
+        return [str(e)]
     problems = []
     size = os.path.getsize(path)
     if size != m.get("bytes"):
@@ -126,9 +131,15 @@ def verify_run(trace_shards: list[str], hidden_shards: list[str], manifest: str 
     if manifest is not None:
         state = "checked" if Path(manifest).is_file() else "absent"
         if state == "checked":
-            problems += check_manifest(manifest, hasher)
-            m = json.loads(Path(manifest).read_text())
-            entries = len(m["artifacts"]) + len(m["external"])
+            try:
+                m = read_record(manifest)
+                entries = len(m["artifacts"]) + len(m["external"])
+            except (InputError, KeyError, TypeError) as e:  # damaged: named, the shards still reported
+                problems.append(
+                    str(e) if isinstance(e, InputError) else f"{manifest}: not a run manifest (no {e}); {remake_hint(manifest)}"
+                )
+            else:
+                problems += check_manifest(manifest, hasher)
     return {
         "checked": len(trace_shards) + len(hidden_shards),
         "traces": len(trace_shards),
