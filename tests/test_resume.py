@@ -98,6 +98,38 @@ def test_killed_extraction_resumes_to_identical_output(tmp_path, traces, target_
         assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.loss_mask, b.loss_mask)
 
 
+def test_a_full_disk_at_the_index_keeps_the_finished_shard_for_the_rerun(tmp_path, traces, target_dir, reference_extraction):
+    """The index is written after the shard is renamed into place; when that write fails (a full
+    disk), the shard goes back into the chunk store, so the rerun resumes every chunk instead of
+    extracting again what Snakemake deleted with the failed job's outputs."""
+    full = """
+    import errno
+    import eagle3_pipeline.shard_job as sj
+    real = sj.write_json_atomic
+    def write(path, *a, **k):
+        if str(path).endswith(".index.json"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, *a, **k)
+    sj.write_json_atomic = write
+    """
+    code = extract_code(traces, tmp_path, target_dir)
+    r = run_py(full + code, cwd=tmp_path)
+    assert r.returncode == 1 and "No space left on device" in r.stderr, r.stderr[-3000:]
+    assert "could not be written; its finished chunks are kept for the rerun" in r.stderr
+    partial = tmp_path / ".shard-00000.safetensors.partial"
+    assert not (tmp_path / "shard-00000.safetensors").exists() and not (tmp_path / "shard-00000.index.json").exists()
+    assert len(list(partial.glob("chunk-*.done"))) == 4 and (partial / "shard.safetensors").is_file()
+    r = run_py(code, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "4 of 4 chunks already finished" in r.stderr
+    assert (tmp_path / "shard-00000.safetensors").read_bytes() == (reference_extraction / "shard-00000.safetensors").read_bytes()
+    index = json.loads((tmp_path / "shard-00000.index.json").read_text())
+    assert (
+        index["chunks_resumed"] == 4
+        and index["sha256"] == json.loads((reference_extraction / "shard-00000.index.json").read_text())["sha256"]
+    )
+
+
 def test_a_shard_finished_by_a_job_that_outlived_its_snakemake_is_kept(tmp_path, traces, target_dir, reference_extraction, monkeypatch):
     """snakemake killed alone leaves its job running with the host-wide lock; the rerun's job waits, and
     counts chunks only once the lock is its own: it keeps the shard the other job finished meanwhile."""

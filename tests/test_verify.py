@@ -82,7 +82,6 @@ def test_altered_and_missing_trace_shards_are_named(tmp_path):
     assert f"{tmp_path / 'shard-00001.jsonl'}: missing" in problems
 
 
-
 def test_damaged_records_are_named_and_the_other_shards_still_checked(tmp_path):
     """A cut index, an index that is not an object and a cut trace summary each name their file
     and what to do; verify used to stop at the first with a raw JSONDecodeError."""

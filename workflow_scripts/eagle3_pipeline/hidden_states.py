@@ -133,6 +133,10 @@ def run_extraction_shard(
             "hash_tail_seconds": round(run.followed.tail_seconds, 3),
         }
 
+    def unassemble(run: ShardRun) -> None:
+        """The shard back into the chunk store, where its done chunks make it again."""
+        os.replace(out_shard, run.worker_job["shard_file"])
+
     if cfg["backend"] == "vllm":
         from .vllm_extraction import vllm_extraction_replica as worker
     else:
@@ -160,6 +164,7 @@ def run_extraction_shard(
                 "max_seq_len": max_seq_len,
             },
             assemble=assemble,
+            unassemble=unassemble,
             prepare=prepare,
             follow=follow,
             replicas=cfg.get("data_parallel_size") or 1,

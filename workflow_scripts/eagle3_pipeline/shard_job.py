@@ -93,6 +93,10 @@ class ShardJob:
         assemble: ``assemble(ShardRun) -> dict``: writes the outputs from the finished chunks and
             returns the record's stage-specific fields; the runner adds the chunk counts, the
             replicas' layout and timings, peak memory and ``fingerprint``, and writes the record.
+        unassemble: ``unassemble(ShardRun)``, when the record cannot be written after
+            ``assemble`` (a full disk): puts what ``assemble`` moved out of the chunk store back,
+            so that the rerun resumes every finished chunk rather than losing them with the
+            outputs Snakemake deletes after a failed job.
         prepare: ``prepare(store) -> dict`` once the store is open, before chunks are counted (it
             may drop chunks that no longer apply); its result is added to ``worker_job``.
         follow: ``follow(store, worker_job)`` -> a context manager entered while the replicas run
@@ -118,6 +122,7 @@ class ShardJob:
     worker: Callable[[dict, int, Iterator[int]], None]
     worker_job: dict
     assemble: Callable[[ShardRun], dict]
+    unassemble: Callable[[ShardRun], None] | None = None
     prepare: Callable[[ChunkStore], dict] | None = None
     follow: Callable[[ChunkStore, dict], AbstractContextManager] | None = None
     replicas: int = 1
@@ -196,7 +201,8 @@ def run_shard_job(job: ShardJob, *, host_lock_enabled: bool = True) -> dict:
             if missing:
                 raise RuntimeError(f"{main}: chunk(s) {missing[:5]} were not done; rerun the job to resume")
             stats = replica_stats(store.dir)
-            record = job.assemble(ShardRun(store, ranges, todo, worker_job, stats, wall_s, followed))
+            run = ShardRun(store, ranges, todo, worker_job, stats, wall_s, followed)
+            record = job.assemble(run)
         record |= {
             "chunks": len(ranges),
             "chunks_resumed": len(ranges) - len(todo),
@@ -206,7 +212,13 @@ def run_shard_job(job: ShardJob, *, host_lock_enabled: bool = True) -> dict:
             "replicas": stats.get("replicas", []),
         }
         record |= peak_memory() | {"fingerprint": job.fingerprint}
-        write_json_atomic(job.record, record)
+        try:
+            write_json_atomic(job.record, record)
+        except BaseException:
+            if job.unassemble is not None:
+                job.unassemble(run)
+                logger.error("%s: its record %s could not be written; its finished chunks are kept for the rerun", main, job.record)
+            raise
         # when snakemake ended meanwhile: the finished outputs kept for its rerun, or (keep_finished
         # False) every chunk, which the rerun assembles again without an engine
         store.finish([*job.outputs, job.record] if job.keep_finished else [], parents)
