@@ -192,6 +192,21 @@ def runtime_keys(section: str) -> frozenset[str]:
     return frozenset(k for k, v in props.items() if v.get("x-result") is False)
 
 
+#: Extraction settings that only the ``hf`` backend reads (transformers' batches and device):
+#: with the ``vllm`` backend they change nothing it writes.
+HF_ONLY_EXTRACTION_KEYS = ("batch_tokens", "device")
+
+
+def extraction_result_settings(x: dict) -> dict:
+    """The extraction settings that change what a job writes, from ``x`` (the ``extraction``
+    section, or the job's settings with the engine's under ``engine``): all but the runtime
+    settings (:func:`runtime_keys` of ``extraction`` and ``vllm``, which a job's settings may
+    hold), and, with the vllm backend, but :data:`HF_ONLY_EXTRACTION_KEYS`. The rule's params
+    and a resume's fingerprint (:func:`eagle3_pipeline.hidden_states.extraction_fingerprint`)."""
+    drop = runtime_keys("extraction") | runtime_keys("vllm") | (set(HF_ONLY_EXTRACTION_KEYS) if x["backend"] == "vllm" else set())
+    return {k: v for k, v in x.items() if k not in drop}
+
+
 def job_settings(config: dict) -> dict:
     """What the rules give each stage's jobs, from a validated config: the GPUs each full-model
     job uses (its ``gpu`` resource; ``--gpus`` on SLURM), training's process count, and the
@@ -228,7 +243,7 @@ def job_settings(config: dict) -> dict:
         "train_processes": max(1, config["resources"]["train_gpus"]),
         "vllm_params": result_settings(config, "vllm"),
         "generation_params": result_settings(config, "generation"),
-        "extraction_params": result_settings(config, "extraction"),
+        "extraction_params": extraction_result_settings(config["extraction"]),
     }
     if x["backend"] == "vllm":
         # a vLLM replica is one engine: its GPUs are the engine's tensor x pipeline parallel size
@@ -238,9 +253,6 @@ def job_settings(config: dict) -> dict:
                 f"of vllm.tensor_parallel_size x pipeline_parallel_size = {engine_gpus} GPUs; set it to {engine_gpus} or null"
             )
         out["extraction_params"]["engine"] = out["vllm_params"]
-        # transformers-only settings do not change what vLLM writes: no rerun when they change
-        for k in ("batch_tokens", "device"):
-            out["extraction_params"].pop(k)
     return out
 
 

@@ -32,16 +32,19 @@ def extraction_fingerprint(traces_path: str, target: str, cfg: dict, max_seq_len
     """Identity (hex SHA-256) of what an extraction job's chunks contain.
 
     Covers the traces' bytes (checked against generation's record: an altered trace shard is an
-    :class:`~eagle3_pipeline.io.InputError`), the target's fingerprint, the backend, layer ids, storage
-    dtype, chunk size and ``max_seq_len``: a resume keeps chunks only when all match, so a
-    shard never mixes backends. Batch size, device and replica counts are left out (they
-    do not change which states are written).
+    :class:`~eagle3_pipeline.io.InputError`), the target's fingerprint, the settings that change
+    what the job writes (:func:`eagle3_pipeline.config.extraction_result_settings`, the rule's
+    params: backend, layer ids, storage dtype, the hf backend's batch size, whose padded batches
+    round differently, the vllm backend's engine), the chunk size and ``max_seq_len``: a resume
+    keeps chunks only when all match, so a shard never mixes backends or batchings. Replica
+    counts and the disk check are left out (they do not change which states are written).
     """
+    from .config import extraction_result_settings
     from .generation import recorded_traces_sha256
     from .io import sha256_json
     from .target_model import model_fingerprint
 
-    params = {k: cfg[k] for k in ("backend", "aux_layer_ids", "storage_dtype", "chunk_samples")} | {"max_seq_len": max_seq_len}
+    params = extraction_result_settings(cfg) | {"chunk_samples": cfg["chunk_samples"], "max_seq_len": max_seq_len}
     return sha256_json({"traces": recorded_traces_sha256(traces_path), "model": model_fingerprint(target), "params": params})
 
 
