@@ -312,6 +312,27 @@ def test_recorded_input_problems_names_altered_files_and_skips_unrecorded_ones(t
     assert f"`snakemake --forcerun {vocab / 'd2t.npy'}`" in problems[1]  # the file, a job output; the folder is none
 
 
+def test_a_run_names_an_input_folder_without_its_record_on_the_console(tmp_path, capsys):
+    """A drafter whose .sha256.json was removed (or that was brought from elsewhere) is used as it
+    is; the run says so on the console at its start, not only in the evaluation's log."""
+    from eagle3_pipeline.io import FILES_RECORD, record_files
+    from eagle3_pipeline.snakemake_adapter import check_pending_inputs
+
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text("{}")
+    record_files(drafter)
+    jobs = [{"input": [str(drafter)], "output": [str(tmp_path / "eval" / "acceptance.json")]}]
+    check_pending_inputs(jobs)
+    assert "WARNING" not in capsys.readouterr().err
+    (drafter / FILES_RECORD).unlink()
+    check_pending_inputs(jobs)
+    err = capsys.readouterr().err
+    assert f"1 input folder(s) of pending jobs have no record of their files ({FILES_RECORD})" in err and str(drafter) in err
+    check_pending_inputs(jobs + [{"input": [], "output": [str(drafter)]}])  # remade by a pending job: not an input
+    assert "WARNING" not in capsys.readouterr().err
+
+
 @pytest.mark.e2e
 def test_a_run_whose_inputs_were_altered_stops_before_snakemake_deletes_anything(e2e_run, tmp_path):
     """A trace shard edited after its hidden states were extracted: Snakemake reruns extraction (the

@@ -227,6 +227,9 @@ def check_pending_inputs(jobs: list[dict]) -> None:
     e.g. a trace shard edited after generation, which would otherwise stop extraction only after
     Snakemake deleted the shard's good hidden states.
 
+    An input folder without a record of its files (a drafter brought from elsewhere, or its
+    record removed) is named on the console: its stage uses it unchecked.
+
     Raises:
         snakemake.exceptions.WorkflowError: naming every such file, both hashes and what to do.
     """
@@ -241,6 +244,18 @@ def check_pending_inputs(jobs: list[dict]) -> None:
         raise WorkflowError(
             f"{len(problems)} input file(s) of pending jobs differ from what their producers recorded; nothing was "
             "run or deleted:\n" + "\n".join(f"  {p}" for p in problems)
+        )
+    from .io import FILES_RECORD
+
+    # a folder its job records (the drafter) without its record: brought from elsewhere, or the record
+    # removed; its stage takes it unchecked, and says so here rather than in its log alone
+    unrecorded = [f for f in inputs if Path(f).is_dir() and not (Path(f) / FILES_RECORD).is_file()]
+    if unrecorded:
+        print(
+            f"WARNING: {len(unrecorded)} input folder(s) of pending jobs have no record of their files ({FILES_RECORD}), "
+            "so their bytes cannot be checked against what their job wrote; they are used as they are (remake one "
+            "with `snakemake --forcerun <folder>` to have it checked): " + ", ".join(unrecorded),
+            file=sys.stderr,
         )
 
 
