@@ -600,3 +600,34 @@ def test_the_batch_writer_writes_rows_in_place_marks_chunks_after_their_batches_
     got = ShardReader(path).all_hidden_states()
     assert torch.equal(got[:8], torch.cat(want[:2]))
     assert not got[8:].any()  # chunk 1's batch was refused whole: its rows are still the preallocated zeros
+
+
+def test_a_failed_write_in_the_batch_writer_names_the_shard_and_what_to_do(tmp_path):
+    """A full disk (ENOSPC from a write) reaches the caller as the same OSError, with a note naming
+    the shard and its chunk folder and saying that the done chunks are kept for a rerun."""
+    import errno
+
+    from eagle3_pipeline.hf_backend import BatchWriter, HostBatch
+    from eagle3_pipeline.resume import ChunkStore
+    from eagle3_pipeline.shards import DONE_SUFFIX, ShardWriter
+
+    samples = [Sample("s0", np.arange(3, dtype=np.int64), loss_mask(1, 2))]
+    path, store = tmp_path / "x.safetensors", ChunkStore.attach(tmp_path / "final.safetensors", DONE_SUFFIX)
+    store.dir.mkdir()
+    kw = dict(layer_ids=[1, 3], aux_layer_ids=[1], hidden_size=8, storage_dtype=torch.bfloat16)
+    with ShardWriter.create(path, samples, **kw) as shard:
+
+        def full(*_):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        shard.write_states = full
+        w = BatchWriter(shard, store, [0], num_chunks=1)
+        w.batch(HostBatch([0], [3], torch.zeros(1, 3, 2, 8, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.bool), ["s0"]), 0)
+        with pytest.raises(OSError) as e:
+            w.chunk_done(0, 0, 1, 3)
+            w.close()
+        w.close(abort=True)
+    assert e.value.errno == errno.ENOSPC
+    (note,) = e.value.__notes__
+    assert str(path) in note and str(store.dir) in note and "rerun to resume" in note
+    assert store.finished() == []

@@ -327,6 +327,11 @@ class BatchWriter:
                         mark_chunk_done(marker, end - first, num_tokens)
                     logger.info("chunk %d/%d done (samples %d-%d)", index + 1, self._num_chunks, first, end - 1)
         except BaseException as e:  # raised in the caller's thread
+            if isinstance(e, OSError):  # a full disk, a folder made read-only: where, and what to do
+                e.add_note(
+                    f"while writing hidden states into {self._shard.path} or its chunk markers in {self._store.dir}; "
+                    "the chunks marked done before it are kept: free the space (or fix the folder) and rerun to resume"
+                )
             self._error = e
             while self._queue.get() is not None:  # let the caller's puts through until close
                 pass
