@@ -79,8 +79,7 @@ def fill(work: Path, gib: float, gbps: float, chunk_samples: int, follow: bool) 
         t0 = time.perf_counter()
         for i, (a, b) in enumerate(chunk_rows):
             with store.writing(i) as marker:
-                writer.write_states(a, states[: b - a])
-                mark_chunk_done(marker, (b - a) // SAMPLE_TOKENS, b - a)
+                mark_chunk_done(marker, [writer.write_states(a, states[: b - a])])
             due = t0 + b * row_bytes / (gbps * 1e9)  # the prefill's pace
             time.sleep(max(0.0, due - time.perf_counter()))
         filled = time.perf_counter()

@@ -277,7 +277,7 @@ def job_writes(model, samples, layer_ids: list[int], batch_tokens: int, folder: 
             for i, (a, b) in enumerate(ranges):
                 for hb in prefill_batches(model, samples[a:b], layer_ids, batch_tokens=batch_tokens, storage_dtype=torch.bfloat16):
                     writer.batch(hb, a)
-                writer.chunk_done(i, a, b, sum(len(s.input_ids) for s in samples[a:b]))
+                writer.chunk_done(i, a, b)
             writer.close()
             out["writer"] = {k: round(v, 3) if isinstance(v, float) else v for k, v in writer.stats.items()}
         seconds = time.perf_counter() - t

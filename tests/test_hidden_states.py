@@ -232,20 +232,80 @@ def test_a_kept_partial_shard_cut_short_is_made_again_and_its_done_chunks_droppe
     """A partial shard kept from a killed job whose file lost its end (its header intact) would
     resume with rows of done chunks missing; it is discarded like one of another layout."""
     from eagle3_pipeline.resume import ChunkStore
-    from eagle3_pipeline.shards import DONE_SUFFIX, prepare_partial_shard
+    from eagle3_pipeline.shards import DONE_SUFFIX, ShardWriter, mark_chunk_done, prepare_partial_shard
 
     samples = [Sample(f"s{i}", np.arange(4, dtype=np.int64), np.array([0, 1, 1, 1], bool)) for i in range(2)]
     layout = {"layer_ids": [1, 3], "aux_layer_ids": [1], "hidden_size": 8, "storage_dtype": torch.bfloat16}
     store = ChunkStore(tmp_path / "shard-00000.safetensors", "fp", DONE_SUFFIX)
     path = prepare_partial_shard(store, samples, **layout)
     size = path.stat().st_size
-    store.path(0).write_text("{}")
+    with ShardWriter.open(path) as w:
+        mark_chunk_done(store.path(0), [w.write_states(0, torch.ones(4, 2, 8))])
     assert prepare_partial_shard(store, samples, **layout) == path and store.finished() == [0]  # kept as it is
     os.truncate(path, size - 10)
     with caplog.at_level("WARNING"):
         assert prepare_partial_shard(store, samples, **layout) == path
     assert path.stat().st_size == size and store.finished() == []
     assert "discarding 1 done chunk(s)" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_a_done_chunk_whose_rows_changed_after_its_marker_is_extracted_again(tmp_path, dtype, caplog):
+    """Each done marker records the CRC-32 of every write of its chunk; a kept partial shard's
+    done chunk whose bytes differ now (one flipped byte, in the states or in an fp8 shard's
+    scales) or whose marker records no rows (an earlier version's) loses its marker, and only it."""
+    import zlib
+
+    from eagle3_pipeline.resume import ChunkStore
+    from eagle3_pipeline.shards import (
+        DONE_SUFFIX,
+        FP8,
+        STORAGE_DTYPES,
+        ShardWriter,
+        check_done_chunks,
+        mark_chunk_done,
+        prepare_partial_shard,
+        quantize_fp8,
+        read_shard_header,
+    )
+
+    lengths = [5, 3, 4, 6, 2, 4]  # chunks of two samples: rows 0-7, 8-17, 18-23
+    samples = [Sample(f"s{i}", np.arange(n, dtype=np.int64), np.ones(n, bool)) for i, n in enumerate(lengths)]
+    rows = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    storage = STORAGE_DTYPES[dtype]
+    layout = {"layer_ids": [1, 3], "aux_layer_ids": [1], "hidden_size": 8, "storage_dtype": storage}
+    g = torch.Generator().manual_seed(0)
+    states = [torch.randn(n, 2, 8, generator=g) for n in lengths]
+    store = ChunkStore(tmp_path / "shard-00000.safetensors", "fp", DONE_SUFFIX)
+    path = prepare_partial_shard(store, samples, **layout)
+    with ShardWriter.open(path) as w:
+        for c in range(3):
+            mark_chunk_done(store.path(c), [w.write_states(rows[i], states[i]) for i in (2 * c + 1, 2 * c)])  # any order
+    # the marker's CRC is zlib's over the bytes stored: the cast states, then an fp8 shard's scales
+    x, scale = quantize_fp8(states[3]) if storage == FP8 else (states[3].to(storage), None)
+    want = zlib.crc32(x.view(torch.uint8).numpy())
+    want = zlib.crc32(scale.numpy().tobytes(), want) if scale is not None else want
+    marker = json.loads(store.path(1).read_text())
+    assert marker == {"samples": 2, "tokens": 10, "rows": [[rows[2], 4, marker["rows"][0][2]], [rows[3], 6, want]]}
+    assert check_done_chunks(store, path) == {}
+
+    prefix, header = read_shard_header(path)
+    tensor = "hidden_states_scale" if storage == FP8 else "hidden_states"
+    a, b = header[tensor]["data_offsets"]
+    flip = len(prefix) + a + (rows[3] + 2) * (b - a) // sum(lengths)  # sample s3's third row, chunk 1
+    with open(path, "r+b") as f:
+        f.seek(flip)
+        byte = f.read(1)
+        f.seek(flip)
+        f.write(bytes([byte[0] ^ 0x10]))
+    store.path(2).write_text(json.dumps({"samples": 2, "tokens": 6}) + "\n")  # no rows recorded
+    with caplog.at_level("INFO"):
+        assert prepare_partial_shard(store, samples, **layout) == path
+    assert store.finished() == [0]
+    assert f"done chunk 1 is extracted again: rows {rows[3]}-{rows[4] - 1} have CRC-32" in caplog.text
+    assert f"not the {want:08x} written" in caplog.text
+    assert "done chunk 2 is extracted again: chunk-000002.done does not record its rows' CRC-32" in caplog.text
+    assert "3 done chunk(s) of the kept partial shard checked" in caplog.text
 
 
 def test_sample_from_trace_limits():
@@ -589,10 +649,10 @@ def test_the_batch_writer_writes_rows_in_place_marks_chunks_after_their_batches_
         w = BatchWriter(shard, store, rows, num_chunks=2, depth=1)
         w.batch(host_batch([0], 0), 0)  # chunk 0: samples 0-1, in two batches, longest first
         w.batch(host_batch([1], 0), 0)
-        w.chunk_done(0, 0, 2, 8)
+        w.chunk_done(0, 0, 2)
         w.batch(host_batch([1, 0], 2, bad_row=1), 2)  # chunk 1: samples 3 and 2, sample s2 NaN
         with pytest.raises(FloatingPointError, match="sample s2"):
-            w.chunk_done(1, 2, 4, 6)
+            w.chunk_done(1, 2, 4)
             w.close()
         w.close(abort=True)
     assert store.finished() == [0]
@@ -624,7 +684,7 @@ def test_a_failed_write_in_the_batch_writer_names_the_shard_and_what_to_do(tmp_p
         w = BatchWriter(shard, store, [0], num_chunks=1)
         w.batch(HostBatch([0], [3], torch.zeros(1, 3, 2, 8, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.bool), ["s0"]), 0)
         with pytest.raises(OSError) as e:
-            w.chunk_done(0, 0, 1, 3)
+            w.chunk_done(0, 0, 1)
             w.close()
         w.close(abort=True)
     assert e.value.errno == errno.ENOSPC

@@ -20,7 +20,7 @@ import torch
 
 from eagle3_pipeline.config import validate_config
 from eagle3_pipeline.generation import render_prompt_ids
-from eagle3_pipeline.shards import read_shard
+from eagle3_pipeline.shards import read_shard, read_shard_header
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,7 +70,8 @@ def reference_extraction(tmp_path_factory, traces, target_dir):
 
 def test_killed_extraction_resumes_to_identical_output(tmp_path, traces, target_dir, reference_extraction):
     """Killed after its first chunk, then its rerun killed while writing its second (a chunk not yet
-    in place), then run to the end: the shard equals one uninterrupted job's, byte for byte in its
+    in place), then, with a byte of its second done chunk flipped on disk, run to the end: that
+    chunk is extracted again and the shard equals one uninterrupted job's, byte for byte in its
     tensors. Three engine starts cover both kill points and a resumed run resumed again."""
     code = extract_code(traces, tmp_path, target_dir)
     partial = tmp_path / ".shard-00000.safetensors.partial"
@@ -81,11 +82,22 @@ def test_killed_extraction_resumes_to_identical_output(tmp_path, traces, target_
         # the chunk written when the kill came is not in place
         assert sorted(p.name for p in partial.glob("chunk-*.done")) == [f"chunk-{i:06d}.done" for i in range(kept)]
     assert "1 of 4 chunks already finished" in r.stderr  # the second run resumed the first's
+    # one byte of done chunk 1 flipped on disk since its marker: that chunk alone is extracted again
+    first_row = json.loads((partial / "chunk-000001.done").read_text())["rows"][0][0]
+    prefix, header = read_shard_header(partial / "shard.safetensors")
+    (a, b), rows = header["hidden_states"]["data_offsets"], header["hidden_states"]["shape"][0]
+    flip = len(prefix) + a + first_row * (b - a) // rows + 7
+    with open(partial / "shard.safetensors", "r+b") as f:
+        f.seek(flip)
+        byte = f.read(1)[0]
+        f.seek(flip)
+        f.write(bytes([byte ^ 0x01]))
     r = run_py(code, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "2 of 4 chunks already finished" in r.stderr
+    assert f"done chunk 1 is extracted again: rows {first_row}-" in r.stderr
+    assert "1 of 4 chunks already finished" in r.stderr
     index = json.loads((tmp_path / "shard-00000.index.json").read_text())
-    assert index["chunks_resumed"] == 2 and not partial.exists()
+    assert index["chunks_resumed"] == 1 and not partial.exists()
     # hashed while it was filled, across three processes: the SHA-256 of the finished bytes
     for out in (tmp_path, reference_extraction):
         shard = out / "shard-00000.safetensors"

@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -82,7 +83,10 @@ def test_filler_writes_each_request_at_its_rows_and_marks_the_chunk_after_the_la
     filler.account("copy_wait", 0.25)
     assert before <= filler.stats()["last_copy_done"] <= time.time()
     assert filler.add(str(marker), 1, states[1], torch.from_numpy(samples[2].input_ids)) is True
-    assert json.loads(marker.read_text()) == {"samples": 3, "tokens": 21} and not spec_path(marker).exists()
+    # the marker records each request's rows and the CRC-32 of the bytes stored there (layers reordered)
+    crcs = [zlib.crc32(x[:, [1, 0, 2]].contiguous().view(torch.uint8).numpy()) for x in states]
+    want = {"samples": 3, "tokens": 21, "rows": [[3, 5, crcs[0]], [8, 9, crcs[1]], [17, 7, crcs[2]]]}
+    assert json.loads(marker.read_text()) == want and not spec_path(marker).exists()
     # the writer threads' time, kept before the marker: 21 tokens x 3 layers x 8 x 2 bytes written
     kept = json.loads((tmp_path / "writer-0.json").read_text())
     assert kept["requests"] == 3 and kept["bytes"] == 21 * 3 * 8 * 2 and kept["seconds"]["copy_wait"] == 0.25

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from .runtime import progress
-from .shards import DONE_SUFFIX, FP8, STORAGE_DTYPES, Sample, ShardWriter, mark_chunk_done
+from .shards import DONE_SUFFIX, FP8, STORAGE_DTYPES, RowsWritten, Sample, ShardWriter, mark_chunk_done
 
 logger = logging.getLogger(__name__)
 
@@ -271,6 +271,7 @@ class BatchWriter:
         import threading
 
         self._shard, self._store, self._rows, self._num_chunks = shard, store, rows, num_chunks
+        self._written: dict[int, RowsWritten] = {}  # by sample index, until its chunk's marker records it
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._error: BaseException | None = None
         self.stats = {"batches": 0, "bytes": 0, "copy_wait_seconds": 0.0, "write_seconds": 0.0, "queue_full_seconds": 0.0}
@@ -281,9 +282,9 @@ class BatchWriter:
         """Write ``hb``, whose positions count from sample ``first`` of the job."""
         self._put(("batch", hb, first))
 
-    def chunk_done(self, index: int, first: int, end: int, num_tokens: int) -> None:
+    def chunk_done(self, index: int, first: int, end: int) -> None:
         """Mark chunk ``index`` (samples ``first`` to ``end - 1``) done once its batches are written."""
-        self._put(("done", index, first, end, num_tokens))
+        self._put(("done", index, first, end))
 
     def close(self, abort: bool = False) -> None:
         """Write what is queued (its finished chunks are marked done), stop the thread, and raise
@@ -318,13 +319,14 @@ class BatchWriter:
                     self.stats["copy_wait_seconds"] += hb.wait()
                     t = time.perf_counter()
                     for i, x in hb.rows():
-                        self.stats["bytes"] += self._shard.write_states(self._rows[first + i], x)
+                        self._written[first + i] = w = self._shard.write_states(self._rows[first + i], x)
+                        self.stats["bytes"] += w.nbytes
                     self.stats["write_seconds"] += time.perf_counter() - t
                     self.stats["batches"] += 1
                 else:
-                    _, index, first, end, num_tokens = item
+                    _, index, first, end = item
                     with self._store.writing(index) as marker:
-                        mark_chunk_done(marker, end - first, num_tokens)
+                        mark_chunk_done(marker, [self._written.pop(k) for k in range(first, end)])
                     logger.info("chunk %d/%d done (samples %d-%d)", index + 1, self._num_chunks, first, end - 1)
         except BaseException as e:  # raised in the caller's thread
             if isinstance(e, OSError):  # a full disk, a folder made read-only: where, and what to do
@@ -378,7 +380,7 @@ def extraction_replica(job: dict, rank: int, chunks) -> None:
                     writer.batch(hb, a)
                     del hb  # the writer holds the batch's pinned buffer until it is written
                 n = sum(len(s.input_ids) for s in samples[a:b])
-                writer.chunk_done(i, a, b, n)
+                writer.chunk_done(i, a, b)
                 tokens += n
                 done += 1
         except BaseException:

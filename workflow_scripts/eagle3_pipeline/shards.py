@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -154,6 +155,22 @@ SAFETENSORS_DTYPES = {
 _TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
+#: The tensors a shard holds per token row and :class:`ShardWriter` fills in place, in the
+#: order a row's CRC-32 takes them (:meth:`ShardWriter.write_states`).
+ROW_TENSORS = ("hidden_states", "hidden_states_scale")
+
+
+class RowsWritten(NamedTuple):
+    """What one :meth:`ShardWriter.write_states` call wrote: token rows ``[row, row + rows)``,
+    ``nbytes`` bytes, and ``crc32``, zlib's CRC-32 of those bytes (the states', then an fp8
+    shard's scales'), which the chunk's done marker records for a resume to check."""
+
+    row: int
+    rows: int
+    nbytes: int
+    crc32: int
+
+
 class ShardWriter:
     """A hidden-state shard preallocated on disk and filled in place, sample by sample.
 
@@ -228,7 +245,7 @@ class ShardWriter:
                 )
             }
         }
-        filled = ["hidden_states", "hidden_states_scale"]
+        filled = list(ROW_TENSORS)
         if storage_dtype == FP8 and (n * n_layers * hidden_size) % 4:
             filled.reverse()  # the float32 scales first, at an 8-byte aligned offset
         order = ["input_ids", "offsets", *filled, "loss_mask"]
@@ -299,7 +316,7 @@ class ShardWriter:
         prefix, header = read_shard_header(path)
         return cls(path, os.open(path, os.O_RDWR), header, len(prefix), prefix)
 
-    def write_states(self, row: int, states: torch.Tensor) -> int:
+    def write_states(self, row: int, states: torch.Tensor) -> RowsWritten:
         """Store one sample's (or consecutive samples') states at token row ``row``.
 
         Args:
@@ -308,11 +325,14 @@ class ShardWriter:
                 shard's dtype (fp8: :func:`quantize_fp8`, with its per-row scales).
 
         Returns:
-            bytes written.
+            the rows written, their bytes and their CRC-32 (:class:`RowsWritten`), for the
+            chunk's done marker (:func:`mark_chunk_done`).
 
         Raises:
             ValueError: the rows fall outside the shard or the shape differs from ``[T, L, H]``.
         """
+        import zlib
+
         t = states.shape[0]
         if (
             states.dim() != 3
@@ -328,13 +348,43 @@ class ShardWriter:
             parts["hidden_states"], parts["hidden_states_scale"] = quantize_fp8(states)
         else:
             parts["hidden_states"] = states.to(self.stored_dtype)
-        written = 0
-        for name, x in parts.items():
-            x = x.contiguous()
-            buf = x.view(torch.uint8).numpy()
-            _pwrite_all(self._fd, buf, self._start + self.header[name]["data_offsets"][0] + row * x.stride(0) * x.element_size())
+        written = crc = 0
+        for name in ROW_TENSORS:
+            if name not in parts:
+                continue
+            buf = parts[name].contiguous().view(torch.uint8).numpy()
+            _pwrite_all(self._fd, buf, self._row_span(name, row, t)[0])
+            crc = zlib.crc32(buf, crc)  # zlib releases the GIL: other writer threads go on
             written += buf.nbytes
-        return written
+        return RowsWritten(row, t, written, crc)
+
+    def _row_span(self, name: str, row: int, rows: int) -> tuple[int, int]:
+        """``(file offset, bytes)`` of rows ``[row, row + rows)`` of the row tensor ``name``."""
+        a, b = self.header[name]["data_offsets"]
+        row_bytes = (b - a) // max(self.num_tokens, 1)
+        return self._start + a + row * row_bytes, rows * row_bytes
+
+    def rows_crc32(self, row: int, rows: int) -> int:
+        """The CRC-32 of rows ``[row, row + rows)`` as the file holds them now, in the order
+        :meth:`write_states` takes it (the states' bytes, then an fp8 shard's scales').
+
+        Raises:
+            OSError: the file ends before those rows.
+        """
+        import zlib
+
+        crc = 0
+        for name in ROW_TENSORS:
+            if name not in self.header:
+                continue
+            offset, size = self._row_span(name, row, rows)
+            while size:
+                data = os.pread(self._fd, min(size, 8 << 20), offset)
+                if not data:
+                    raise OSError(f"{self.path}: ends at byte {offset}, inside the rows {row}-{row + rows - 1}")
+                crc = zlib.crc32(data, crc)
+                offset, size = offset + len(data), size - len(data)
+        return crc
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -407,10 +457,7 @@ class ShardHasher:
         self._chunk_ends = ends
         # (start byte, row bytes or 0 for a tensor that is final from the start), in file order
         tensors = sorted((e["data_offsets"], name) for name, e in header.items() if name != "__metadata__")
-        self._regions = [
-            (len(prefix) + a, (b - a) // max(self.num_tokens, 1) if name in ("hidden_states", "hidden_states_scale") else 0)
-            for (a, b), name in tensors
-        ]
+        self._regions = [(len(prefix) + a, (b - a) // max(self.num_tokens, 1) if name in ROW_TENSORS else 0) for (a, b), name in tensors]
         self._sha = hashlib.sha256()
         self._buf = memoryview(bytearray(buffer_bytes))
         self._file = open(self.path, "rb", buffering=0)  # noqa: SIM115 -- closed by hexdigest, or when following ends
@@ -744,13 +791,49 @@ def read_shard(path: str | os.PathLike) -> tuple[list[Sample], list[torch.Tensor
 DONE_SUFFIX = ".done"
 
 
-def mark_chunk_done(marker: str | os.PathLike, num_samples: int, num_tokens: int) -> None:
-    """Write a chunk's done marker, ``{"samples", "tokens"}``: its states are in the job's shard.
+def mark_chunk_done(marker: str | os.PathLike, written: Iterable[RowsWritten]) -> None:
+    """Write a chunk's done marker: its states are in the job's shard.
 
-    Written to ``marker`` as given: callers pass a temporary path that they rename into
-    place (:meth:`eagle3_pipeline.resume.ChunkStore.writing`, :func:`eagle3_pipeline.io.atomic_path`).
+    The marker is JSON: ``samples`` and ``tokens`` (the chunk's counts) and ``rows``, one
+    ``[first row, rows, CRC-32]`` per :meth:`ShardWriter.write_states` call that wrote the
+    chunk (``written``, in any order), which :func:`check_done_chunks` compares with the
+    shard's bytes when a killed job's rerun resumes from it. Written to ``marker`` as given:
+    callers pass a temporary path that they rename into place
+    (:meth:`eagle3_pipeline.resume.ChunkStore.writing`, :func:`eagle3_pipeline.io.atomic_path`).
     """
-    Path(marker).write_text(json.dumps({"samples": int(num_samples), "tokens": int(num_tokens)}) + "\n")
+    rows = sorted([w.row, w.rows, w.crc32] for w in written)
+    Path(marker).write_text(json.dumps({"samples": len(rows), "tokens": sum(r[1] for r in rows), "rows": rows}) + "\n")
+
+
+def check_done_chunks(store, path: str | os.PathLike) -> dict[int, str]:
+    """The done chunks of ``store`` whose rows in the partial shard ``path`` are not what was
+    written: the CRC-32 of each write its marker records (:func:`mark_chunk_done`) against
+    the shard's bytes now (:meth:`ShardWriter.rows_crc32`).
+
+    Returns:
+        ``{chunk index: reason}`` for each chunk to extract again: its rows differ (the
+        first such write named), or its marker is unreadable or has no ``rows`` (a marker of
+        an earlier version: nothing to check it against).
+    """
+    bad: dict[int, str] = {}
+    with ShardWriter.open(path) as shard:
+        for i in store.finished():
+            marker = store.path(i)
+            try:
+                rows = json.loads(marker.read_text())["rows"]
+                entries = [(int(a), int(n), int(c)) for a, n, c in rows]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                bad[i] = f"{marker.name} does not record its rows' CRC-32 ({type(e).__name__}: {e})"
+                continue
+            for a, n, crc in entries:
+                if not 0 <= a <= a + n <= shard.num_tokens:
+                    bad[i] = f"{marker.name} names rows {a}-{a + n - 1}, outside the shard's {shard.num_tokens}"
+                    break
+                now = shard.rows_crc32(a, n)
+                if now != crc:
+                    bad[i] = f"rows {a}-{a + n - 1} have CRC-32 {now:08x}, not the {crc:08x} written"
+                    break
+    return bad
 
 
 def partial_shard_path(store_dir: str | os.PathLike) -> Path:
@@ -772,8 +855,9 @@ def prepare_partial_shard(store, samples: Sequence[Sample], **layout) -> Path:
 
     A shard kept from a killed run is reused when its header equals the one ``samples``
     and ``layout`` (:meth:`ShardWriter.layout` arguments) give and it has the size that header
-    gives (a file cut short lost rows of done chunks), with its done chunks; otherwise it is
-    created afresh (atomically) and any done markers are dropped.
+    gives (a file cut short lost rows of done chunks), with those of its done chunks whose rows
+    still hold what was written (:func:`check_done_chunks`; the others are extracted again);
+    otherwise it is created afresh (atomically) and any done markers are dropped.
 
     Returns:
         the path of the partial shard (``<chunk store>/shard.safetensors``).
@@ -782,8 +866,18 @@ def prepare_partial_shard(store, samples: Sequence[Sample], **layout) -> Path:
     prefix, _ = ShardWriter.layout(samples, **layout)
     if path.is_file() and path.stat().st_size == ShardWriter.file_bytes(prefix):
         with open(path, "rb") as f:
-            if f.read(len(prefix)) == prefix:
-                return path
+            same = f.read(len(prefix)) == prefix
+        if same:
+            t = time.perf_counter()
+            bad = check_done_chunks(store, path)
+            for i, reason in sorted(bad.items()):
+                logger.warning("%s: done chunk %d is extracted again: %s", store.final_path, i, reason)
+                store.path(i).unlink(missing_ok=True)
+            if kept := len(store.finished()) + len(bad):
+                logger.info(
+                    "%s: %d done chunk(s) of the kept partial shard checked in %.1f s", store.final_path, kept, time.perf_counter() - t
+                )
+            return path
     stale = store.finished()
     if stale:
         logger.warning("%s: the partial shard is missing or differs; discarding %d done chunk(s)", store.final_path, len(stale))

@@ -134,7 +134,7 @@ class ChunkFiller:
 
     def __init__(self, stats_path: str | None = None) -> None:
         self._lock = threading.Lock()
-        self._pending: dict[str, tuple[dict, set[int]]] = {}
+        self._pending: dict[str, tuple[dict, dict]] = {}  # marker: (spec, {position: RowsWritten})
         self._shards: dict = {}
         self._stats_path = stats_path
         self._seconds = {"copy_wait": 0.0, "check": 0.0, "write": 0.0}
@@ -189,7 +189,7 @@ class ChunkFiller:
         try:
             with self._lock:
                 if marker not in self._pending:
-                    self._pending[marker] = (json.loads(spec_path(marker).read_text()), set())
+                    self._pending[marker] = (json.loads(spec_path(marker).read_text()), {})
                 spec, done = self._pending[marker]
                 if spec["shard"] not in self._shards:
                     self._shards[spec["shard"]] = ShardWriter.open(spec["shard"])
@@ -199,16 +199,16 @@ class ChunkFiller:
             t0 = time.perf_counter()
             states = self._check(marker, spec, position, hidden_states, token_ids)
             t1 = time.perf_counter()
-            n = shard.write_states(spec["rows"][position], states)
+            written = shard.write_states(spec["rows"][position], states)
             t2 = time.perf_counter()
-            logger.debug("%s: sample %s, %.1f MB in %.3f s", spec["shard"], spec["sample_ids"][position], n / 1e6, t2 - t1)
+            logger.debug("%s: sample %s, %.1f MB in %.3f s", spec["shard"], spec["sample_ids"][position], written.nbytes / 1e6, t2 - t1)
             with self._lock:
                 self._seconds["check"] += t1 - t0
                 self._seconds["write"] += t2 - t1
                 self._last["last_write_done"] = time.time()
                 self._requests += 1
-                self._bytes += n
-                done.add(position)
+                self._bytes += written.nbytes
+                done[position] = written
                 if len(done) < len(spec["sample_ids"]):
                     return False
                 del self._pending[marker]
@@ -216,7 +216,7 @@ class ChunkFiller:
                 with self._stats_lock:
                     write_json_atomic(self._stats_path, self.stats())
             with atomic_path(marker) as tmp:
-                mark_chunk_done(tmp, len(done), sum(len(x) for x in spec["input_ids"]))
+                mark_chunk_done(tmp, done.values())
             spec_path(marker).unlink(missing_ok=True)
             return True
         except Exception as e:
