@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, TextIO
 
 from tqdm import tqdm
@@ -116,14 +116,42 @@ class _LineWriter:
         self.stream.flush()
 
 
-def progress(iterable: Iterable | None = None, *, total: int | None = None, desc: str = "", unit: str = "it", **kw: Any) -> tqdm:
+class _Bar(tqdm):
+    """A tqdm bar whose shown rate, and so its ETA, is ``rate_source()`` when one is given."""
+
+    def __init__(self, *args: Any, rate_source: Callable[[], float | None] | None = None, **kw: Any) -> None:
+        self._rate_source = rate_source  # set first: tqdm's constructor may already print
+        super().__init__(*args, **kw)
+
+    @property
+    def format_dict(self) -> dict:
+        d = super().format_dict
+        if self._rate_source is not None:
+            d["rate"] = self._rate_source() or 0.0  # 0: tqdm shows the rate and the ETA as "?"
+        return d
+
+
+def progress(
+    iterable: Iterable | None = None,
+    *,
+    total: int | None = None,
+    desc: str = "",
+    unit: str = "it",
+    rate_source: Callable[[], float | None] | None = None,
+    **kw: Any,
+) -> tqdm:
     """A tqdm progress bar with rate and ETA.
 
     On a terminal it redraws in place; otherwise (a log file) it prints a full line
     at most every 30 seconds, which doubles as a heartbeat for cluster logs.
+
+    Args:
+        rate_source: units/s to show, and to take the ETA from, each time the bar prints (None
+            or 0: not known yet, shown as "?"); default: tqdm's own smoothed rate, which a log
+            file's bar updates only when it prints.
     """
     tty = sys.stderr.isatty()
-    return tqdm(
+    return _Bar(
         iterable,
         total=total,
         desc=desc,
@@ -133,6 +161,7 @@ def progress(iterable: Iterable | None = None, *, total: int | None = None, desc
         dynamic_ncols=tty,
         ncols=None if tty else 100,
         ascii=not tty,
+        rate_source=rate_source,
         **kw,
     )
 
