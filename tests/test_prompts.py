@@ -104,7 +104,9 @@ def test_leading_assistant_turn_is_dropped():
         ({"messages": [{"role": "user", "content": "   "}]}, "empty_content"),
         ({"messages": [{"role": "assistant", "content": "only an answer"}]}, "no_user_turn"),
         ({"text": "no conversation"}, "bad_format"),
-        ({"messages": [{"role": "user", "content": 3}]}, "bad_format"),
+        ({"messages": [{"role": "user", "content": 3}]}, "bad_format: turn 0 content is a number, not a string"),
+        ({"messages": [{"role": "user", "content": None}]}, "bad_format: turn 0 content is a null, not a string"),
+        ({"messages": [{"role": "user", "text": "hi"}]}, "bad_format: turn 0 has no text: neither 'content' .*nor 'value'"),
     ],
 )
 def test_bad_records_give_reason(raw, reason):

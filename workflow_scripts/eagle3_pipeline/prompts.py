@@ -305,6 +305,8 @@ def canonical_messages(raw: object, turns: str = "first", dropped: Counter | Non
         canon = ROLE_ALIASES.get(str(role).lower()) if role is not None else None
         if canon is None:
             raise ValueError(f"unknown_role: turn {i} has role {role!r}; known roles ('role' or 'from'): {', '.join(sorted(ROLE_ALIASES))}")
+        if "content" not in t and "value" not in t:
+            raise ValueError(f"bad_format: turn {i} has no text: neither 'content' (OpenAI) nor 'value' (ShareGPT)")
         if not isinstance(content, str):
             raise ValueError(f"bad_format: turn {i} content is a {_json_type(content)}, not a string")
         messages.append({"role": canon, "content": content})

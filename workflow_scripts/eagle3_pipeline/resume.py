@@ -141,7 +141,8 @@ class ChunkStore:
 
         Returns:
             True when every output was kept and is in place again (hard links: same bytes, inode
-            and mtime as their job wrote); False when this job has to do the work.
+            and mtime as their job wrote, unless altered since: the caller checks and says which);
+            False when this job has to do the work.
         """
         kept = [self.dir / f"finished-{Path(p).name}" for p in outputs]
         if not all(k.is_file() for k in kept):
@@ -149,7 +150,6 @@ class ChunkStore:
         for k, p in zip(kept, outputs, strict=True):
             Path(p).unlink(missing_ok=True)
             os.link(k, p)
-        logger.info("%s: finished by this shard's job after its snakemake ended; taken back from %s", outputs[0], self.dir)
         return True
 
 

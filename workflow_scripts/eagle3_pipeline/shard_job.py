@@ -307,10 +307,11 @@ def _take_back(job: ShardJob, store: ChunkStore) -> dict | None:
     try:  # the bytes its job recorded (hard links: unchanged unless altered since)
         recorded_sha256(job.outputs[0], job.record, *job.record_hash_keys)
     except InputError as e:
-        logger.warning("not taking back the kept output: %s", e)
+        logger.warning("not taking back the kept output: %s; doing this shard's work again", e)
         for p in finished:
             Path(p).unlink(missing_ok=True)
         store.remove()
         return None
+    logger.info("%s: finished by this shard's job after its snakemake ended; taken back from %s", job.outputs[0], store.dir)
     store.remove()
     return read_json(job.record)

@@ -835,8 +835,9 @@ def train(
     eval_model = model.module if ctx.parallelism == "ddp" else model
 
     logger.info(
-        "training: %d train / %d val samples, %d steps (%d/epoch x %d epochs), pack %d tokens, %d process(es) x %d accumulation "
-        "(%s), device %s, aux layers %s, draft vocab %d",
+        "training: %d train / %d val samples, up to %d steps (%d/epoch x %d epochs: the schedule's estimate; each epoch packs "
+        "its shuffled samples anew and may fill a step fewer), pack %d tokens, %d process(es) x %d accumulation (%s), device %s, "
+        "aux layers %s, draft vocab %d",
         len(train_items),
         len(val_items),
         total_steps,
