@@ -190,6 +190,43 @@ def test_run_eval_refuses_when_no_prompt_fits_before_any_request(tokenizer):
         run_eval(None, questions, eval_prompt_ids(tokenizer, questions), cfg, 64)
 
 
+def test_run_eval_keeps_each_answer_with_its_question_when_answers_end_out_of_order(capsys):
+    """τ's pass feeds every prompt to the engine at once with a bar over output tokens; answers
+    end in any order (here the longest prompt's first) and each row stays its question's."""
+    from vllm.v1.metrics.reader import Counter
+
+    class Engine(_FakeEngine):  # request i answers with 6 - i tokens, text "a<i>"
+        def step(self):
+            done = []
+            for rid in list(self.running):
+                self.running[rid] += 1
+                i = int(rid.rsplit("-", 1)[1])
+                if self.running[rid] == 6 - i:
+                    del self.running[rid]
+                    done.append(
+                        SimpleNamespace(request_id=rid, finished=True, outputs=[SimpleNamespace(token_ids=[7] * (6 - i), text=f"a{i}")])
+                    )
+            return done
+
+    eng = Engine(length=0)
+    counters = [
+        Counter(name="vllm:spec_decode_num_drafts", labels={}, value=4),
+        Counter(name="vllm:spec_decode_num_draft_tokens", labels={}, value=12),
+        Counter(name="vllm:spec_decode_num_accepted_tokens", labels={}, value=6),
+        Counter(name="vllm:generation_tokens", labels={}, value=0),
+    ]
+    llm = SimpleNamespace(llm_engine=eng, get_metrics=lambda: counters)
+    questions = [{"id": f"q{i}"} for i in range(4)]
+    prompts = [[1] * (3 + i) for i in range(4)]
+    cfg = {"max_tokens": 8, "temperature": 0.0, "num_speculative_tokens": 3}
+    report, rows, rejects = run_eval(llm, questions, prompts, cfg, 64)
+    assert eng.max_in_flight == 4 and [p for _, p, _ in eng.added] == prompts  # all at once, in order
+    assert rows == [{"id": f"q{i}", "num_prompt_tokens": 3 + i, "num_output_tokens": 6 - i, "text": f"a{i}"} for i in range(4)]
+    assert rejects == [] and report["num_prompts"] == 4 and report["output_tokens"] == 6 + 5 + 4 + 3
+    assert report["acceptance_length"] == pytest.approx(1 + 6 / 4)
+    assert "evaluate tau: 100%" in capsys.readouterr().err  # its bar, completed
+
+
 class _SamplingEngine:
     """An engine that samples ``params.n`` answers per request: answer j is ``[seed % 1000, j % dup_every]``
     (``dup_every`` < n repeats answers), finishing every request at its first step."""

@@ -311,6 +311,19 @@ def test_recorded_input_problems_names_altered_files_and_skips_unrecorded_ones(t
     assert problems[1].startswith(f"{vocab / 'd2t.npy'}: its bytes differ from what its producer recorded")
     assert f"`snakemake --forcerun {vocab / 'd2t.npy'}`" in problems[1]  # the file, a job output; the folder is none
 
+    # a drafter folder may hold no file its record does not list (vLLM may load any): named at the start,
+    # as its evaluation job would name it; a file added beside the vocabulary's recorded files is not read
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text("{}")
+    record_files(drafter)
+    (vocab / "notes.txt").write_text("mine")
+    np.save(vocab / "d2t.npy", np.arange(4))  # its recorded bytes again
+    assert recorded_input_problems([str(drafter), str(vocab / "d2t.npy")]) == []
+    (drafter / "extra.safetensors").write_text("x")
+    (problem,) = recorded_input_problems([str(drafter)])
+    assert problem.startswith(f"{drafter}: ['extra.safetensors'] are not among the files {drafter / '.sha256.json'} records")
+
 
 def test_a_run_names_an_input_folder_without_its_record_on_the_console(tmp_path, capsys):
     """A drafter whose .sha256.json was removed (or that was brought from elsewhere) is used as it

@@ -142,7 +142,7 @@ def run_eval(
         InputError: no prompt fits (names the keys to change).
     """
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
 
     from .io import InputError
 
@@ -152,8 +152,13 @@ def run_eval(
     if not kept:
         raise InputError(f"no evaluation prompt fits: {rejects[0]['detail']} (all {len(rejects)} prompts)")
     questions, prompts = [questions[i] for i in kept], [prompts[i] for i in kept]
-    params = SamplingParams(temperature=eval_cfg["temperature"], max_tokens=eval_cfg["max_tokens"])
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    from .generation import generated_tokens_counter
+
+    params = SamplingParams(
+        temperature=eval_cfg["temperature"], max_tokens=eval_cfg["max_tokens"], output_kind=RequestOutputKind.FINAL_ONLY
+    )
+    # every prompt in the engine at once, as LLM.generate does; the bar counts the engine's output tokens
+    outs, _ = answer_prompts(llm, prompts, params, queued=len(prompts), desc="evaluate tau", read_generated=generated_tokens_counter(llm))
     report = acceptance_report(spec_decode_counters(llm.get_metrics()), eval_cfg["num_speculative_tokens"])
     rows = [
         {"id": q["id"], "num_prompt_tokens": len(p), "num_output_tokens": len(o.outputs[0].token_ids), "text": o.outputs[0].text}
@@ -165,40 +170,69 @@ def run_eval(
     return report, rows, rejects
 
 
+def answer_prompts(llm, prompts: list[list[int]], params, *, queued: int, desc: str, read_generated=None) -> tuple[list, float]:
+    """``llm``'s answers to ``prompts`` (token ids), ``queued`` requests in flight, with a progress bar.
+
+    Requests are added whenever fewer than ``queued`` are unfinished
+    (:func:`eagle3_pipeline.engine.feed_engine`); the bar
+    (:class:`eagle3_pipeline.generation.CompletionProgress`, labelled ``desc``) counts output
+    tokens: the engine's counter when ``read_generated`` is given (its reads cost a few ms every
+    2 s), else those of finished answers.
+
+    Args:
+        params: ``vllm.SamplingParams`` with ``output_kind=RequestOutputKind.FINAL_ONLY``.
+
+    Returns:
+        ``(outputs, seconds)``: one ``RequestOutput`` per prompt, in order, and the wall time
+        from the first request to the last answer.
+    """
+    import time
+
+    from vllm.inputs import TokensPrompt
+
+    from .engine import feed_engine
+    from .generation import CompletionProgress
+
+    eng = llm.llm_engine
+    tag = f"{desc.replace(' ', '_')}-{time.monotonic_ns()}"
+    outs: list = [None] * len(prompts)
+    bar = CompletionProgress(len(prompts), 1, params.max_tokens, read_generated, desc=desc)
+
+    def add(i: int) -> None:
+        eng.add_request(f"{tag}-{i}", TokensPrompt(prompt_token_ids=prompts[i]), params)
+        bar.added(1)
+
+    def done(out) -> None:
+        outs[int(out.request_id.rsplit("-", 1)[1])] = out
+        bar.finished([len(c.token_ids) for c in out.outputs])
+
+    t0, complete = time.perf_counter(), False
+    try:
+        feed_engine(eng, range(len(prompts)), add, done, queued=queued, poll=bar.poll)
+        complete = True
+    finally:
+        bar.close(complete)
+    return outs, time.perf_counter() - t0
+
+
 def decode_throughput(llm, prompts: list[list[int]], max_tokens: int, concurrency: int, temperature: float = 0.0) -> dict:
     """Output tokens per second of ``llm`` answering ``prompts`` with ``concurrency`` requests in flight.
 
     Requests are added whenever fewer than ``concurrency`` are unfinished
-    (:func:`eagle3_pipeline.engine.feed_engine`), as a server with that many clients sees
-    them; the clock runs from the first request to the last answer (no model load).
+    (:func:`answer_prompts`, whose bar reads no engine counter here: nothing but the answers
+    in the timed loop), as a server with that many clients sees them; the clock runs from the
+    first request to the last answer (no model load).
 
     Returns:
         ``{"concurrency", "requests", "output_tokens", "seconds", "output_tokens_per_second"}``
         (seconds wall time, tokens/s over all requests).
     """
-    import time
-
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
-    from .engine import feed_engine
-
-    eng = llm.llm_engine
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, output_kind=RequestOutputKind.FINAL_ONLY)
-    tag = f"tput-{concurrency}-{time.monotonic_ns()}"
-    tokens = 0
-
-    def add(i: int) -> None:
-        eng.add_request(f"{tag}-{i}", TokensPrompt(prompt_token_ids=prompts[i]), params)
-
-    def done(out) -> None:
-        nonlocal tokens
-        tokens += len(out.outputs[0].token_ids)
-
-    t0 = time.perf_counter()
-    feed_engine(eng, range(len(prompts)), add, done, queued=concurrency)
-    secs = time.perf_counter() - t0
+    outs, secs = answer_prompts(llm, prompts, params, queued=concurrency, desc=f"decode x{concurrency}")
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {
         "concurrency": concurrency,
         "requests": len(prompts),

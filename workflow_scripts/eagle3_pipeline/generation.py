@@ -354,6 +354,7 @@ class CompletionProgress:
         max_tokens: completion tokens an answer may have (``generation.max_tokens``).
         read_generated: completion tokens generated so far, or None.
         clock: seconds (``time.monotonic``; a test passes its own).
+        desc: the bar's label.
     """
 
     def __init__(
@@ -363,6 +364,7 @@ class CompletionProgress:
         max_tokens: int,
         read_generated: Callable[[], int] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        desc: str = "generate",
     ) -> None:
         import numpy as np
 
@@ -375,7 +377,7 @@ class CompletionProgress:
         self.done_answers = self.done_tokens = self.prompts_done = self.generated = 0
         self.last_update = -float("inf")
         self.reads: deque[tuple[float, int]] = deque()  # (clock, generated) of recent updates
-        self.bar = progress(total=self.expected_total(), desc="generate", unit="tok", unit_scale=True, rate_source=self.rate)
+        self.bar = progress(total=self.expected_total(), desc=desc, unit="tok", unit_scale=True, rate_source=self.rate)
 
     def expected_total(self) -> int:
         """Completion tokens all answers are expected to end with (at least those generated)."""

@@ -102,7 +102,8 @@ def recorded_input_problems(paths: Iterable[str | os.PathLike]) -> list[str]:
                 d = p if p.is_dir() else p.parent
                 if d not in dirs and (d / FILES_RECORD).is_file():
                     dirs.add(d)
-                    check_recorded_files(d, directory_output=p.is_dir())  # the drafter; the vocabulary's files each
+                    # the drafter, whose every file vLLM may load (exhaustive, as evaluation checks it); the vocabulary's files each
+                    check_recorded_files(d, exhaustive=p.is_dir(), directory_output=p.is_dir())
             elif p.is_file() and p.suffix == ".jsonl" and summary_beside(p).is_file():
                 recorded_traces_sha256(p)
             elif p.is_file() and p.suffix == ".safetensors" and index_beside(p).is_file():
