@@ -795,83 +795,91 @@ def test_a_training_loss_speculators_does_not_know_stops_the_run_at_its_start():
     assert snakemake_adapter.problem_at_start([{"rule": "generate_traces"}], validate_config({"training": {"loss": "foo"}}), None) is None
 
 
-def _decode_side_by_side(lengths, slots, prog, clock, prefill_s=0.0):
-    """Drive ``prog`` as an engine decoding up to ``slots`` answers side by side would: it first
-    prefills the prompts it takes at once for ``prefill_s`` seconds (no completion tokens, a
-    counter read every 2 s), then each step adds one token to every running answer and takes
-    ``0.2 + running / slots`` seconds of ``clock["now"]`` (a smaller batch steps faster), and
-    ``clock["generated"]`` counts the tokens."""
-    waiting, running = list(lengths), []
-    while waiting and len(running) < slots:
-        running.append([waiting.pop(0), 0])
-        prog.added(1)
-    while clock["now"] < prefill_s:
+def _engine(lengths, prompt_lens, slots, prog, clock, prefill_cost, decode_cost, budget=2048):
+    """Drive ``prog`` as a vLLM engine with chunked prefill would: it holds up to ``slots``
+    requests; each step spends its ``budget`` tokens on one token for every decoding request,
+    then on prefill chunks of the others in order, and takes 0.02 s + ``prefill_cost`` per prompt
+    token + ``decode_cost`` per decoded token of ``clock["now"]``. A request's prefill, when it
+    ends, adds its prompt to ``clock["prompt"]`` and its first token to ``clock["generated"]``
+    (as vLLM's counters do); it finishes at ``lengths[i]`` tokens."""
+    waiting, active = list(zip(lengths, prompt_lens, strict=True)), []  # [length, prompt, prefill left, tokens]
+    while waiting or active:
+        while waiting and len(active) < slots:
+            n, pl = waiting.pop(0)
+            active.append([n, pl, pl, 0])
+            prog.added(1, prompt_tokens=pl)
         prog.poll()
         yield
-        clock["now"] += 2.0
-    while waiting or running:
-        while waiting and len(running) < slots:
-            running.append([waiting.pop(0), 0])
-            prog.added(1)
-        prog.poll()
-        yield
-        clock["now"] += 0.2 + len(running) / slots
-        for r in running:
-            r[1] += 1
+        decoding = [r for r in active if r[2] == 0]
+        used, prefilled = len(decoding), 0
+        for r in active:
+            if r[2] and used < budget:
+                chunk = min(r[2], budget - used)
+                r[2], used, prefilled = r[2] - chunk, used + chunk, prefilled + chunk
+                if not r[2]:
+                    r[3], clock["generated"], clock["prompt"] = 1, clock["generated"] + 1, clock["prompt"] + r[1]
+        for r in decoding:
+            r[3] += 1
             clock["generated"] += 1
-        for r in [r for r in running if r[1] == r[0]]:
-            running.remove(r)
+        clock["now"] += 0.02 + prefill_cost * prefilled + decode_cost * len(decoding)
+        for r in [r for r in active if not r[2] and r[3] >= r[0]]:
+            active.remove(r)
             prog.finished([r[0]])
 
 
 @pytest.mark.parametrize("case", ["held_at_once", "streamed"])
-def test_generations_progress_counts_tokens_so_its_eta_holds(monkeypatch, case):
-    """Answers decoded side by side end together, so finished prompts say little early on (the
-    demo's first ETA was 10x the real one); the bar counts generated tokens against the answers'
-    expected total, and takes its rate over recent counter reads from the first token on, so its
-    ETA holds from early on, after a prefill that made no tokens (the demo's first ETA after one
-    was 30 min for 2.5 min left); during that prefill its rate and ETA are "?"."""
+@pytest.mark.parametrize("prefill_cost", [0.0017, 0.0003])  # per prompt token, against 0.0033 per decoded one: CPU-, GPU-like
+def test_generations_progress_counts_tokens_so_its_eta_holds(monkeypatch, case, prefill_cost):
+    """Answers decoded side by side end together, so finished prompts say little early on; the
+    bar counts generated tokens against the answers' expected total. Its ETA prices the prompt
+    tokens still to prefill and the completion tokens still to generate at costs fitted to the
+    engine's counters: the demo's engine first prefills the 256 prompts it holds, making few
+    completion tokens, and an ETA from their rate alone was 27x the real one there (1 h 39 min
+    for 3 min 40 s); here it would be over 5x."""
     import numpy as np
 
     from eagle3_pipeline import generation
 
     monkeypatch.setattr(generation, "COUNTER_SECONDS", 0.0)
     rng = np.random.default_rng(0)
-    if case == "held_at_once":  # the demo: 300 prompts, 256 in the engine, 2 in 3 answers cut at max_tokens, 30 s of prefill
-        prompts, slots, prefill_s = 300, 256, 30.0
-        lengths = np.where(rng.random(300) < 2 / 3, 256, rng.integers(20, 256, 300))
+    if case == "held_at_once":  # the demo: 300 prompts, 256 in the engine, 2 in 3 answers cut at max_tokens
+        prompts, slots, lengths = 300, 256, np.where(rng.random(300) < 2 / 3, 256, rng.integers(20, 256, 300))
     else:  # many prompts streamed through the engine
-        prompts, slots, prefill_s, lengths = 2000, 64, 0.0, rng.integers(20, 256, 2000)
-    lengths = [int(x) for x in lengths]
-    clock = {"now": 0.0, "generated": 0}
-    prog = generation.CompletionProgress(prompts, 1, 256, read_generated=lambda: clock["generated"], clock=lambda: clock["now"])
+        prompts, slots, lengths = 2000, 64, rng.integers(20, 256, 2000)
+    lengths, prompt_lens = [int(x) for x in lengths], [int(x) for x in rng.integers(50, 400, prompts)]
+    clock = {"now": 0.0, "generated": 0, "prompt": 0}
+    prog = generation.CompletionProgress(
+        prompts, 1, 256, read_counters=lambda: (clock["prompt"], clock["generated"]), clock=lambda: clock["now"]
+    )
     assert prog.bar.total == round(prompts * 0.79 * 256)  # before any answer: the plan's answer length
-    seen = []  # (seconds, bar position, bar total, shown rate, prompts done) before each step
-    for _ in _decode_side_by_side(lengths, slots, prog, clock, prefill_s):
+    assert prog.bar.format_dict["rate"] == 0 and "<?, ?tok/s" in prog.bar.format_meter(**prog.bar.format_dict)  # nothing read yet
+    seen = []  # (seconds, bar total, ETA, completion tokens' rate alone) before each step
+    for _ in _engine(lengths, prompt_lens, slots, prog, clock, prefill_cost, 0.0033):
         assert prog.bar.n == clock["generated"]
-        shown = prog.bar.format_dict
-        if clock["now"] < prefill_s:  # no token yet: no rate, no ETA, and the postfix says why
-            assert shown["rate"] == 0 and "<?, ?tok/s" in prog.bar.format_meter(**shown)
-            assert shown["postfix"] == f"0/{prompts} prompts, prefill"
-        seen.append((clock["now"], prog.bar.n, prog.bar.total, shown["rate"], prog.prompts_done))
+        (t0, _, g0), (t1, _, g1) = prog.reads[0], prog.reads[-1]
+        alone = (prog.bar.total - prog.bar.n) / ((g1 - g0) / (t1 - t0)) if g1 > g0 else float("inf")
+        seen.append((clock["now"], prog.bar.total, prog.eta_seconds(), alone))
+        if prog.eta_seconds():  # the rate shown is the one the ETA implies
+            assert prog.bar.format_dict["rate"] == pytest.approx((prog.bar.total - prog.bar.n) / prog.eta_seconds())
     end = clock["now"]
     prog.close(complete=True)
     assert prog.bar.n == prog.bar.total == sum(lengths) and prog.prompts_done == prompts
-    for now, n, total, rate, done in seen:
-        if not max(0.1 * end, prefill_s + 4) <= now <= 0.9 * end:
+    early_alone = []
+    for now, total, eta, alone in seen:
+        if not 0.05 * end <= now <= 0.9 * end:
             continue
-        eta = (total - n) / rate / (end - now)  # the bar's, over the real time left
-        prompt_eta = (prompts - done) / (done / now) / (end - now) if done else float("inf")  # a bar over prompts
+        eta, alone = eta / (end - now), alone / (end - now)  # over the real time left
         if case == "streamed":  # the lengths are learnt as answers end: the total and ETA hold
-            assert 0.9 < total / sum(lengths) < 1.1 and 0.85 < eta < 1.15, (now / end, total / sum(lengths), eta)
-        else:  # the answers in flight are learnt only as they end, and tokens/s falls as the batch empties
-            assert 0.75 < total / sum(lengths) < 1.3, (now / end, total / sum(lengths))
-            if now < 0.3 * end:  # where a bar over prompts was 4x off and more
-                assert 0.8 < eta < 1.25 and prompt_eta > 4, (now / end, eta, prompt_eta)
+            assert 0.85 < eta < 1.15 and (now < 0.1 * end or 0.9 < total / sum(lengths) < 1.1), (now / end, eta, total / sum(lengths))
+        else:  # the answers in flight are learnt only as they end, the prefill comes first, and the batch empties at the end
+            assert 0.75 < total / sum(lengths) < 1.3 and 0.55 < eta < 1.5, (now / end, total / sum(lengths), eta)
+            early_alone += [alone] if now < 0.3 * end else []
+    if case == "held_at_once":
+        assert max(early_alone) > 3  # what the completion tokens' rate alone said
 
 
 def test_generations_progress_without_a_counter_and_with_rejected_prompts():
-    from eagle3_pipeline.generation import CompletionProgress, generated_tokens_counter
+    from eagle3_pipeline.generation import CompletionProgress, engine_token_counters
 
     prog = CompletionProgress(10, 2, 100)  # the plan's answer: 79% of max_tokens
     assert prog.bar.total == 10 * 2 * 79
@@ -891,7 +899,7 @@ def test_generations_progress_without_a_counter_and_with_rejected_prompts():
     # with the engine's counter: the 10 answers in flight hold g = 60 tokens each so far and no finished
     # answer is longer: each is expected at 60 + min(100 - 60, 680 generated / 2 ended) = 100
     gen = {"n": 0}
-    prog = CompletionProgress(6, 2, 100, read_generated=lambda: gen["n"])
+    prog = CompletionProgress(6, 2, 100, read_counters=lambda: (0, gen["n"]))
     prog.added(6)
     prog.finished([50, 30])
     gen["n"] = 80 + 10 * 60
@@ -902,14 +910,55 @@ def test_generations_progress_without_a_counter_and_with_rejected_prompts():
     each = (190 + 8 * (51.25 + min(100 - 51.25, 680 / 4))) / (2 + 8)
     assert prog.bar.total == round(270 + 8 * each)
 
-    # the engine's counter, from what it held when the reader was made
-    values = iter([1000, 1000, 1250])
-    llm = SimpleNamespace(get_metrics=lambda: [SimpleNamespace(name="vllm:generation_tokens", value=next(values))])
-    read = generated_tokens_counter(llm)
-    assert read() == 0 and read() == 250
+    # the engine's counters, from what they held when the reader was made, in one read
+    values = iter([(1000, 40), (1000, 40), (1250, 90)])
+    calls = []
+
+    def metrics():
+        calls.append(1)
+        g, p = next(values)
+        return [SimpleNamespace(name="vllm:generation_tokens", value=g), SimpleNamespace(name="vllm:prompt_tokens", value=p)]
+
+    read = engine_token_counters(SimpleNamespace(get_metrics=metrics))
+    assert read() == (0, 0) and read() == (50, 250) and len(calls) == 3
 
     def stats_off():
         raise AssertionError("Stat logging disabled")
 
-    assert generated_tokens_counter(SimpleNamespace(get_metrics=stats_off)) is None
-    assert generated_tokens_counter(SimpleNamespace()) is None  # an engine without metrics
+    assert engine_token_counters(SimpleNamespace(get_metrics=stats_off)) is None
+    assert engine_token_counters(SimpleNamespace()) is None  # an engine without metrics
+    only_generated = [SimpleNamespace(name="vllm:generation_tokens", value=3)]  # another vLLM: no prompt counter
+    assert engine_token_counters(SimpleNamespace(get_metrics=lambda: only_generated)) is None
+
+
+def test_generations_eta_prices_prompt_and_completion_tokens_at_their_fitted_costs():
+    """Reads whose seconds are 0.01 s per prompt token + 0.05 s per completion token exactly, with
+    counts that are not proportional: the ETA is 0.01 x prompt tokens left (added, not yet
+    prefilled, and the prompts not yet added at the mean so far) + 0.05 x completion tokens left.
+    Proportional counts cannot tell the costs apart: one cost per token of either kind."""
+    from eagle3_pipeline.generation import CompletionProgress
+
+    now, counts = {"t": 0.0}, {"c": (0, 0)}
+    prog = CompletionProgress(4, 1, 100, read_counters=lambda: counts["c"], clock=lambda: now["t"])
+    prog.added(2, prompt_tokens=300)
+    prog.update()
+    assert prog.eta_seconds() is None and prog.bar.postfix == "0/4 prompts, prefill"  # nothing counted yet
+    p = g = 0
+    for dp, dg in ((50, 10), (0, 20), (100, 0), (20, 16)):
+        p, g = p + dp, g + dg
+        now["t"] += 0.01 * dp + 0.05 * dg
+        counts["c"] = (p, g)
+        prog.update()
+    g_left = prog.bar.total - g
+    assert prog.eta_seconds() == pytest.approx(0.01 * ((300 - 170) + 2 * 150) + 0.05 * g_left)
+    assert prog.bar.format_dict["rate"] == pytest.approx(g_left / prog.eta_seconds())
+
+    prog = CompletionProgress(4, 1, 100, read_counters=lambda: counts["c"], clock=lambda: now["t"])
+    prog.added(2, prompt_tokens=300)
+    p = g = 0
+    for dt, dg in ((1.0, 10), (2.0, 20), (1.0, 10), (1.0, 10), (1.0, 10)):
+        p, g = p + 2 * dg, g + dg
+        now["t"] += dt
+        counts["c"] = (p, g)
+        prog.update()
+    assert prog.eta_seconds() == pytest.approx(6.0 / (2 * 60 + 60) * ((300 - 120) + 2 * 150 + prog.bar.total - 60))

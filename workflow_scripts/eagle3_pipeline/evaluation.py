@@ -152,13 +152,13 @@ def run_eval(
     if not kept:
         raise InputError(f"no evaluation prompt fits: {rejects[0]['detail']} (all {len(rejects)} prompts)")
     questions, prompts = [questions[i] for i in kept], [prompts[i] for i in kept]
-    from .generation import generated_tokens_counter
+    from .generation import engine_token_counters
 
     params = SamplingParams(
         temperature=eval_cfg["temperature"], max_tokens=eval_cfg["max_tokens"], output_kind=RequestOutputKind.FINAL_ONLY
     )
     # every prompt in the engine at once, as LLM.generate does; the bar counts the engine's output tokens
-    outs, _ = answer_prompts(llm, prompts, params, queued=len(prompts), desc="evaluate tau", read_generated=generated_tokens_counter(llm))
+    outs, _ = answer_prompts(llm, prompts, params, queued=len(prompts), desc="evaluate tau", read_counters=engine_token_counters(llm))
     report = acceptance_report(spec_decode_counters(llm.get_metrics()), eval_cfg["num_speculative_tokens"])
     rows = [
         {"id": q["id"], "num_prompt_tokens": len(p), "num_output_tokens": len(o.outputs[0].token_ids), "text": o.outputs[0].text}
@@ -170,13 +170,13 @@ def run_eval(
     return report, rows, rejects
 
 
-def answer_prompts(llm, prompts: list[list[int]], params, *, queued: int, desc: str, read_generated=None) -> tuple[list, float]:
+def answer_prompts(llm, prompts: list[list[int]], params, *, queued: int, desc: str, read_counters=None) -> tuple[list, float]:
     """``llm``'s answers to ``prompts`` (token ids), ``queued`` requests in flight, with a progress bar.
 
     Requests are added whenever fewer than ``queued`` are unfinished
     (:func:`eagle3_pipeline.engine.feed_engine`); the bar
     (:class:`eagle3_pipeline.generation.CompletionProgress`, labelled ``desc``) counts output
-    tokens: the engine's counter when ``read_generated`` is given (its reads cost a few ms every
+    tokens: the engine's counters when ``read_counters`` is given (its reads cost a few ms every
     2 s), else those of finished answers.
 
     Args:
@@ -196,11 +196,11 @@ def answer_prompts(llm, prompts: list[list[int]], params, *, queued: int, desc: 
     eng = llm.llm_engine
     tag = f"{desc.replace(' ', '_')}-{time.monotonic_ns()}"
     outs: list = [None] * len(prompts)
-    bar = CompletionProgress(len(prompts), 1, params.max_tokens, read_generated, desc=desc)
+    bar = CompletionProgress(len(prompts), 1, params.max_tokens, read_counters, desc=desc)
 
     def add(i: int) -> None:
         eng.add_request(f"{tag}-{i}", TokensPrompt(prompt_token_ids=prompts[i]), params)
-        bar.added(1)
+        bar.added(1, prompt_tokens=len(prompts[i]))
 
     def done(out) -> None:
         outs[int(out.request_id.rsplit("-", 1)[1])] = out

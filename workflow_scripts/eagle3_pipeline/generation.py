@@ -8,6 +8,7 @@ token when the target emitted one). Text is never re-tokenized downstream.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -293,27 +294,39 @@ PRIOR_ANSWERS = 8
 RATE_WINDOW_SECONDS = 30.0
 
 
-def generated_tokens_counter(llm) -> Callable[[], int] | None:
-    """A function returning the completion tokens ``llm``'s engine has generated since this call.
+#: vLLM's counters a bar reads: prompt tokens prefilled (counted when a request's prefill ends)
+#: and completion tokens generated.
+TOKEN_COUNTERS = ("vllm:prompt_tokens", "vllm:generation_tokens")
 
-    Reads vLLM's ``vllm:generation_tokens`` counter (``vllm.LLM.get_metrics``, its Prometheus
-    metrics, which :func:`eagle3_pipeline.engine.build_llm` keeps on). The counter is the
-    process's, so what it held at this call is subtracted.
+
+def engine_token_counters(llm) -> Callable[[], tuple[int, int]] | None:
+    """A function returning ``(prompt tokens prefilled, completion tokens generated)`` by
+    ``llm``'s engine since this call.
+
+    Reads vLLM's :data:`TOKEN_COUNTERS` (``vllm.LLM.get_metrics``, its Prometheus metrics, which
+    :func:`eagle3_pipeline.engine.build_llm` keeps on) in one call. The counters are the
+    process's, so what they held at this call is subtracted.
 
     Returns:
-        The reader, or None where this engine reports no such counter (stats off, another vLLM).
+        The reader, or None where this engine reports no such counters (stats off, another vLLM).
     """
 
-    def read() -> int | None:
+    def read() -> tuple[int, int] | None:
         try:
-            return next((int(m.value) for m in llm.get_metrics() if m.name == "vllm:generation_tokens"), None)
+            got = {m.name: int(m.value) for m in llm.get_metrics() if m.name in TOKEN_COUNTERS}
         except (AssertionError, AttributeError, TypeError, ValueError):  # stats off: vLLM asserts
             return None
+        return tuple(got[k] for k in TOKEN_COUNTERS) if len(got) == len(TOKEN_COUNTERS) else None  # type: ignore[return-value]
 
     base = read()
     if base is None:
         return None
-    return lambda: (read() or base) - base
+
+    def since() -> tuple[int, int]:
+        now = read() or base
+        return now[0] - base[0], now[1] - base[1]
+
+    return since
 
 
 class CompletionProgress:
@@ -321,8 +334,8 @@ class CompletionProgress:
 
     An engine decodes all its requests side by side, so a bar over finished prompts stands near
     0 until the first answers end (its first ETA was 10x the real one on the demo). This bar
-    counts the tokens the engine has generated (``read_generated``, e.g.
-    :func:`generated_tokens_counter`; without it, the tokens of finished answers), and its total
+    counts the tokens the engine has generated (``read_counters``, e.g.
+    :func:`engine_token_counters`; without it, the tokens of finished answers), and its total
     is the tokens all answers are expected to end with, re-estimated at most every
     :data:`COUNTER_SECONDS` s:
 
@@ -342,17 +355,21 @@ class CompletionProgress:
     time, and within 35% when it holds them all at once, as in the demo (it learns the lengths
     only as answers end). Prompts done (answered or rejected) are in its postfix.
 
-    Its rate, and so its ETA, is the tokens generated over the last :data:`RATE_WINDOW_SECONDS`
-    of counter reads, from the first token on: the prefill of the prompts the engine takes at
-    once makes no completion tokens, so the rate is "?" until it ends (the postfix says
-    ``prefill``) instead of a rate, and an ETA, many times too slow, as tqdm's rate averaged
-    over the prefill was (the demo's first ETA was 30 min for 2.5 min left).
+    Its ETA is the time the engine's work left takes at the costs seen over the last
+    :data:`RATE_WINDOW_SECONDS` of counter reads (:meth:`eta_seconds`): prompt tokens to
+    prefill and completion tokens to generate, each at its own cost where the reads tell them
+    apart (a least-squares fit of each read's seconds to both counts), at one cost per token of
+    either where they do not. The prefill of the prompts an engine takes at once makes few
+    completion tokens: the demo's first ETA from the completion tokens' rate alone was 30 min,
+    then 1 h 39 min, for 3 min 40 s left. The rate shown is the one that ETA implies; "?"
+    before a read has counted a token (the postfix says ``prefill``).
 
     Args:
         prompts: prompts this bar counts to.
         answers_per_prompt: answers requested per prompt.
         max_tokens: completion tokens an answer may have (``generation.max_tokens``).
-        read_generated: completion tokens generated so far, or None.
+        read_counters: ``(prompt tokens prefilled, completion tokens generated)`` so far
+            (:func:`engine_token_counters`), or None.
         clock: seconds (``time.monotonic``; a test passes its own).
         desc: the bar's label.
     """
@@ -362,7 +379,7 @@ class CompletionProgress:
         prompts: int,
         answers_per_prompt: int,
         max_tokens: int,
-        read_generated: Callable[[], int] | None = None,
+        read_counters: Callable[[], tuple[int, int]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         desc: str = "generate",
     ) -> None:
@@ -370,13 +387,14 @@ class CompletionProgress:
 
         self.prompts, self.answers_per_prompt, self.max_tokens = prompts, answers_per_prompt, int(max_tokens)
         self.prior = COMPLETION_FILL * self.max_tokens
-        self.read_generated, self.clock = read_generated, clock
+        self.read_counters, self.clock = read_counters, clock
         self.answers_left = prompts * answers_per_prompt  # answers not yet added to the engine
         self.in_flight = 0  # answers added, not finished
         self.lengths = np.zeros(self.max_tokens + 1, dtype=np.int64)  # finished answers by length
         self.done_answers = self.done_tokens = self.prompts_done = self.generated = 0
+        self.prompts_added = self.prompt_tokens_added = self.prefilled = 0
         self.last_update = -float("inf")
-        self.reads: deque[tuple[float, int]] = deque()  # (clock, generated) of recent updates
+        self.reads: deque[tuple[float, int, int]] = deque()  # (clock, prefilled, generated) of recent updates
         self.bar = progress(total=self.expected_total(), desc=desc, unit="tok", unit_scale=True, rate_source=self.rate)
 
     def expected_total(self) -> int:
@@ -392,24 +410,66 @@ class CompletionProgress:
             sum_longer = float(longer @ np.arange(self.max_tokens + 1 - len(longer), self.max_tokens + 1))
             # what an answer holding g tokens has left if answers go on ending at the rate they did:
             # one per (tokens generated / answers ended), capped by max_tokens
-            left = min(self.max_tokens - g, self.generated / max(self.done_answers, 1))
+            left = self.max_tokens - g
+            if self.done_answers:
+                left = min(left, self.generated / self.done_answers)
             each = (sum_longer + k * (g + left)) / (n_longer + k)
             in_flight = self.in_flight * max(each, g)
         mean = (self.done_tokens + in_flight + k * self.prior) / (self.done_answers + self.in_flight + k)
         return max(round(self.done_tokens + in_flight + self.answers_left * mean), self.generated, 1)
 
-    def rate(self) -> float | None:
-        """Tokens/s over the recent updates since the first token, None before it (or before two reads)."""
-        if len(self.reads) < 2 or self.reads[-1][1] == 0:
-            return None
-        (t0, g0), (t1, g1) = self.reads[0], self.reads[-1]
-        return (g1 - g0) / (t1 - t0) if t1 > t0 else None
+    def eta_seconds(self) -> float | None:
+        """Seconds the engine's work left takes at the costs of the recent reads, or None before
+        a read counted a generated token.
 
-    def added(self, prompts: int, rejected: int = 0) -> None:
-        """``prompts`` prompts went to the engine and ``rejected`` were refused before it."""
+        Work left: the completion tokens the bar still expects and the prompt tokens not yet
+        prefilled (those of prompts not yet added at the mean so far). With ``dt``, ``dp``,
+        ``dg`` each read's seconds, prompt tokens and completion tokens since the one before,
+        ``dt ~ a dp + b dg`` is fitted by least squares; where the reads tell ``a`` and ``b``
+        apart (their counts not proportional, each cost positive and known to within a quarter
+        of itself: vLLM counts a prompt when its prefill ends, so the counts come in lumps), ETA
+        = a x prompt tokens left + b x completion tokens left, else one cost per token of either
+        kind, sum(dt) / sum(dp + dg). Without the prompt counter: completion tokens left / their rate.
+        """
+        if len(self.reads) < 2 or self.reads[-1][2] == 0:
+            return None
+        steps = [(t1 - t0, p1 - p0, g1 - g0) for (t0, p0, g0), (t1, p1, g1) in itertools.pairwise(self.reads)]
+        dt, dp, dg = (sum(x) for x in zip(*steps, strict=True))
+        if dt <= 0 or dg <= 0:
+            return None
+        g_left = max(self.bar.total - self.generated, 0)
+        if self.read_counters is None or self.prompts_added == 0:
+            return g_left * dt / dg
+        prompts_left = self.answers_left / self.answers_per_prompt
+        p_left = max(self.prompt_tokens_added - self.prefilled, 0) + prompts_left * self.prompt_tokens_added / self.prompts_added
+        spp = sum(p * p for _, p, _ in steps)
+        sgg = sum(g * g for _, _, g in steps)
+        spg = sum(p * g for _, p, g in steps)
+        det = spp * sgg - spg * spg
+        if len(steps) > 3 and det > 0.05 * spp * sgg:  # the counts are not (nearly) proportional
+            spt = sum(p * t for t, p, _ in steps)
+            sgt = sum(g * t for t, _, g in steps)
+            a, b = (spt * sgg - sgt * spg) / det, (sgt * spp - spt * spg) / det
+            var = sum((t - a * p - b * g) ** 2 for t, p, g in steps) / (len(steps) - 2)  # of a read's seconds
+            # both costs known to within a quarter (their standard errors), else one cost
+            if a > 0 and b > 0 and var * sgg / det < (a / 4) ** 2 and var * spp / det < (b / 4) ** 2:
+                return a * p_left + b * g_left
+        return dt / (dp + dg) * (p_left + g_left)
+
+    def rate(self) -> float | None:
+        """The completion tokens/s :meth:`eta_seconds` implies (what the bar shows, and tqdm takes
+        its ETA from), None before it is known."""
+        eta = self.eta_seconds()
+        return (self.bar.total - self.bar.n) / eta if eta else None
+
+    def added(self, prompts: int, rejected: int = 0, prompt_tokens: int = 0) -> None:
+        """``prompts`` prompts of ``prompt_tokens`` tokens in all went to the engine and
+        ``rejected`` were refused before it."""
         self.answers_left -= (prompts + rejected) * self.answers_per_prompt
         self.in_flight += prompts * self.answers_per_prompt
         self.prompts_done += rejected
+        self.prompts_added += prompts
+        self.prompt_tokens_added += prompt_tokens
 
     def finished(self, lengths: Sequence[int]) -> None:
         """One prompt's answers ended, of ``lengths`` completion tokens each."""
@@ -431,12 +491,12 @@ class CompletionProgress:
 
     def update(self) -> None:
         """Read the generated tokens and re-estimate the total now."""
-        if self.read_generated is not None:
-            self.generated = max(self.generated, self.read_generated(), self.done_tokens)
+        if self.read_counters is not None:
+            prefilled, generated = self.read_counters()
+            self.prefilled = max(self.prefilled, prefilled)
+            self.generated = max(self.generated, generated, self.done_tokens)
         now = self.clock()
-        if self.reads and self.reads[-1][1] == 0:  # the rate starts at the last read before the first token
-            self.reads = deque([self.reads[-1]])
-        self.reads.append((now, self.generated))
+        self.reads.append((now, self.prefilled, self.generated))
         while len(self.reads) > 2 and self.reads[1][0] <= now - RATE_WINDOW_SECONDS:
             self.reads.popleft()
         self.bar.total = self.expected_total()
@@ -515,7 +575,7 @@ def generate_chunks(
     eng = llm.llm_engine
     # chunk index -> [requests, finished outputs by position, rejects]
     open_chunks: dict[int, tuple[list, dict, list]] = {}
-    bar = CompletionProgress(len(records) if total is None else total, answers, gen_cfg["max_tokens"], generated_tokens_counter(llm))
+    bar = CompletionProgress(len(records) if total is None else total, answers, gen_cfg["max_tokens"], engine_token_counters(llm))
 
     def finish(i: int) -> None:
         todo, outs, rejects = open_chunks.pop(i)
@@ -567,7 +627,7 @@ def generate_chunks(
         a, b = ranges[i]
         todo, rejects = _requests(tokenizer, records[a:b], gen_cfg, max_seq_len)
         open_chunks[i] = (todo, {}, rejects)
-        bar.added(len(todo), rejected=len(rejects))
+        bar.added(len(todo), rejected=len(rejects), prompt_tokens=sum(len(ids) for _, ids, _ in todo))
         for k, (rec, ids, mt) in enumerate(todo):
             params = SamplingParams(
                 n=answers,
