@@ -645,9 +645,13 @@ def _fake_workflow(jobs: list[tuple[str, dict, list[str], list[str]]], targets: 
     inputs, outputs) and its target jobs' rules."""
     from types import SimpleNamespace
 
+    from snakemake.iocontainers import Namedlist
+
     def job(rule, wildcards, inputs, outputs):
         script = None if rule == "all" else f"../workflow_scripts/{rule}.py"
-        return SimpleNamespace(rule=SimpleNamespace(name=rule, script=script), wildcards_dict=wildcards, input=inputs, output=outputs)
+        return SimpleNamespace(
+            rule=SimpleNamespace(name=rule, script=script), wildcards_dict=wildcards, input=Namedlist(inputs), output=outputs
+        )
 
     dag = SimpleNamespace(
         needrun_jobs=lambda exclude_finished: [job(*j) for j in jobs],
@@ -862,3 +866,30 @@ def test_the_evaluation_is_planned_for_the_prompts_its_source_has(tmp_path):
     assert evaluation(own | {"max_prompts": 1000})[0] == int(7 * 0.79 * 10)
     assert evaluation(own)[1] == f"the 7 questions of {questions} x 79% of max_tokens"
     assert evaluation(own | {"prompts": {"type": "file", "path": str(tmp_path / "none.jsonl")}})[0] == int(80 * 0.79 * 10)
+
+
+def test_a_cpu_plan_takes_the_reference_measured_on_a_cpu_of_its_kind(tmp_path, monkeypatch):
+    """The demo ran 1.6-2.7x slower, stage by stage, on a 2-core AMD EPYC (AVX-512-BF16, no AMX)
+    than on the 2-core Intel machine with AMX tiles the first reference was measured on; a CPU
+    plan takes the reference of its machine's kind, found where the plan finds the platform."""
+    from eagle3_pipeline import parallel, precision
+
+    amx, no_amx = (next(r for r in REFERENCES["cpu"] if r.get("amx") is kind) for kind in (True, False))
+    assert reference_for("cpu", BUILTIN_SHAPE["params"], amx=True) is amx
+    assert reference_for("cpu", BUILTIN_SHAPE["params"], amx=False) is no_amx
+    assert reference_for("cpu", BUILTIN_SHAPE["params"]) is REFERENCES["cpu"][0]  # kind not known: the first
+    assert reference_for("cuda", BUILTIN_SHAPE["params"], amx=False) is reference_for("cuda", BUILTIN_SHAPE["params"])
+    cfg = validate_config({"prompts": {"max_prompts": 300}})
+    monkeypatch.setattr(parallel, "visible_gpus", lambda: [])
+    monkeypatch.setattr(precision, "cpu_has_fast_bf16", lambda: True)
+    jobs = [_job(s) for s in ("train_drafter", "evaluate_drafter")] + [
+        _job(s, "00000") for s in ("generate_traces", "extract_hidden_states")
+    ]
+    for kind, ref in ((False, no_amx), (True, amx)):
+        monkeypatch.setattr(precision, "cpu_has_amx", lambda kind=kind: kind)
+        stages, platform = plan_run(cfg, None, tmp_path, jobs)
+        assert platform == "cpu"
+        for st in stages:
+            assert st.tokens_per_second == ref[st.stage]["tokens_per_second"] and st.source.startswith(f"reference ({ref['source']})")
+    given = _by_stage(plan_run(cfg, None, tmp_path, jobs, platform="cpu")[0])  # planned for another machine: the first
+    assert given["generate_traces"].tokens_per_second == REFERENCES["cpu"][0]["generate_traces"]["tokens_per_second"]

@@ -10,9 +10,14 @@ import torch
 import yaml
 from e2e_support import snakemake_cli
 
+# imported here, not inside a test: Snakemake's first import keeps the streams it finds, and a capsys
+# test's have no file descriptor, which the e2e run's jobs (made later in that case) then lack
+from snakemake.exceptions import WorkflowError
+
 from eagle3_pipeline.conventions import loss_mask
 from eagle3_pipeline.io import sha256_file
 from eagle3_pipeline.shards import Sample, write_shard
+from eagle3_pipeline.snakemake_adapter import check_pending_inputs
 from eagle3_pipeline.verify import summary_lines, verify_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -326,24 +331,82 @@ def test_recorded_input_problems_names_altered_files_and_skips_unrecorded_ones(t
 
 
 def test_a_run_names_an_input_folder_without_its_record_on_the_console(tmp_path, capsys):
-    """A drafter whose .sha256.json was removed (or that was brought from elsewhere) is used as it
-    is; the run says so on the console at its start, not only in the evaluation's log."""
+    """A drafter brought from elsewhere (Snakemake did not make it) without a .sha256.json is used
+    as it is, and the run says so on the console at its start, not only in the evaluation's log;
+    one Snakemake made whose record was removed is refused."""
     from eagle3_pipeline.io import FILES_RECORD, record_files
-    from eagle3_pipeline.snakemake_adapter import check_pending_inputs
 
     drafter = tmp_path / "drafter"
     drafter.mkdir()
     (drafter / "config.json").write_text("{}")
     record_files(drafter)
-    jobs = [{"input": [str(drafter)], "output": [str(tmp_path / "eval" / "acceptance.json")]}]
+    target = tmp_path / "target"  # a folder no stage checks against a record: never named
+    target.mkdir()
+    named = {"drafter": [str(drafter)], "target": [str(target)]}
+    jobs = [{"input": [str(drafter), str(target)], "named_input": named, "output": [str(tmp_path / "eval" / "acceptance.json")]}]
     check_pending_inputs(jobs)
     assert "WARNING" not in capsys.readouterr().err
     (drafter / FILES_RECORD).unlink()
     check_pending_inputs(jobs)
     err = capsys.readouterr().err
-    assert f"1 input folder(s) of pending jobs have no record of their files ({FILES_RECORD})" in err and str(drafter) in err
+    assert f"1 drafter folder(s) pending jobs read were not made by this workflow and have no record of their files ({FILES_RECORD})" in err
+    assert str(drafter) in err and str(target) not in err
     check_pending_inputs(jobs + [{"input": [], "output": [str(drafter)]}])  # remade by a pending job: not an input
     assert "WARNING" not in capsys.readouterr().err
+    check_pending_inputs(jobs, made_here=lambda path: False)  # Snakemake did not make it: brought from elsewhere
+    assert "1 drafter folder(s) pending jobs read were not made by this workflow" in capsys.readouterr().err
+    with pytest.raises(WorkflowError) as e:  # Snakemake made it, and its record is gone: refused
+        check_pending_inputs(jobs, made_here=lambda path: True)
+    assert str(e.value).startswith("1 drafter folder(s) pending jobs read were made by this workflow but have lost the record")
+    assert f"`snakemake --forcerun {drafter}`" in str(e.value) and f"`snakemake --cleanup-metadata {drafter}`" in str(e.value)
+
+
+@pytest.mark.e2e
+def test_a_drafter_that_lost_its_record_is_refused_until_snakemake_forgets_making_it(e2e_run, tmp_path):
+    """The finished run's drafter with its .sha256.json deleted: the evaluation's rerun is refused
+    at the start, with nothing run; after `snakemake --cleanup-metadata` on it the run takes it as
+    a drafter brought from elsewhere (a warning), and its evaluation starts."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    from e2e_support import IN_PROCESS_ENGINES
+
+    src, _, _ = e2e_run
+    wd = tmp_path / "wd"
+    shutil.copytree(src, wd, symlinks=True)
+    drafter = "results/e2e/drafter"
+    (wd / drafter / ".sha256.json").unlink()
+    args = ("--cores", "2", "--resources", "mem_gb=100", "--forcerun", "evaluate_drafter")
+    r = snakemake_cli(wd, wd / "small.yaml", *args, cwd=wd)
+    assert r.returncode != 0 and "1 drafter folder(s) pending jobs read were made by this workflow" in r.stderr, r.stderr[-3000:]
+    assert f"`snakemake --cleanup-metadata {drafter}`" in r.stderr and "evaluate_drafter.log" not in r.stderr
+    r = snakemake_cli(wd, wd / "small.yaml", "--cleanup-metadata", drafter, cwd=wd)
+    assert r.returncode == 0, r.stderr[-2000:]
+    cmd = [sys.executable, "-m", "snakemake", *args, "-s", str(ROOT / "Snakefile"), "-d", str(wd), "--configfile", str(wd / "small.yaml")]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=wd,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, **IN_PROCESS_ENGINES},
+    )
+    seen = []
+    try:
+        for line in proc.stderr:  # up to the evaluation's start: its run is not what this test checks
+            seen.append(line)
+            if line.startswith(("rule ", "localrule ")) or "Error" in line:  # the first job, or a refusal
+                break
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    err = "".join(seen)
+    assert "1 drafter folder(s) pending jobs read were not made by this workflow" in err and drafter in err, err[-3000:]
+    assert seen[-1].startswith(("rule evaluate_drafter", "localrule evaluate_drafter")), err[-3000:]  # not trained again
 
 
 @pytest.mark.e2e

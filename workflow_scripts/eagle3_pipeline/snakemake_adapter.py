@@ -25,7 +25,7 @@ import itertools
 import re
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -86,6 +86,7 @@ def needrun_jobs(workflow) -> list[dict]:
             "wildcards": {k: str(v) for k, v in j.wildcards_dict.items()},
             "output": [str(f) for f in j.output],
             "input": [str(f) for f in j.input],
+            "named_input": {k: [str(f) for f in v] if isinstance(v, list) else [str(v)] for k, v in j.input.items()},
         }
         for j in workflow.dag.needrun_jobs(exclude_finished=False)
     ]
@@ -128,6 +129,26 @@ def incomplete_outputs(workflow) -> set[str]:
     """
     keys = {workflow.persistence._get_key(f): str(f) for j in workflow.dag.needrun_jobs(exclude_finished=False) for f in j.output}
     return {keys[k] for k in workflow.persistence._filter_incomplete_keys(keys)}
+
+
+def made_by_snakemake(workflow) -> Callable[[str], bool]:
+    """Whether Snakemake made an input of the jobs it will run: it keeps metadata of each output
+    it made (its ``.snakemake/metadata``), until ``snakemake --cleanup-metadata <path>`` removes it.
+
+    Snakemake internals (snakemake 9.27.1): ``Workflow.dag.needrun_jobs``, ``Job.input`` and
+    ``Workflow.persistence.metadata``; ``tests/test_verify.py`` removes a finished run's drafter
+    record and checks that the run refuses, and runs once Snakemake's metadata of it is removed.
+    The DAG is walked at the first call only.
+    """
+    files: dict | None = None
+
+    def made(path: str) -> bool:
+        nonlocal files
+        if files is None:
+            files = {str(f): f for j in workflow.dag.needrun_jobs(exclude_finished=False) for f in j.input}
+        return path in files and workflow.persistence.metadata(files[path]) is not None
+
+    return made
 
 
 def keep_incomplete_finished_shards(workflow, jobs: list[dict]) -> list[str]:
@@ -219,7 +240,12 @@ def target_rules(workflow) -> set[str]:
         return set()
 
 
-def check_pending_inputs(jobs: list[dict]) -> None:
+#: The input name of the folders a job reads against the record of their files (``drafter``:
+#: ``evaluate_drafter``'s and its variants', checked by :func:`eagle3_pipeline.io.check_recorded_files`).
+RECORDED_FOLDER_INPUT = "drafter"
+
+
+def check_pending_inputs(jobs: list[dict], made_here: Callable[[str], bool] | None = None) -> None:
     """The ``onstart`` hook's first step (:func:`on_start`; ``jobs`` as :func:`needrun_jobs` lists
     them): refuse the run before any job starts (and before Snakemake
     deletes the outputs of the jobs it reruns) when a file a pending job reads, and no pending job
@@ -227,11 +253,20 @@ def check_pending_inputs(jobs: list[dict]) -> None:
     e.g. a trace shard edited after generation, which would otherwise stop extraction only after
     Snakemake deleted the shard's good hidden states.
 
-    An input folder without a record of its files (a drafter brought from elsewhere, or its
-    record removed) is named on the console: its stage uses it unchecked.
+    A drafter a pending job reads (its input named :data:`RECORDED_FOLDER_INPUT`) without its
+    record of files (``.sha256.json``, which training writes) is refused when this workflow made
+    it (``made_here``: Snakemake keeps metadata of the outputs it made): its record is gone, so
+    the bytes vLLM would load cannot be told from what training wrote. One Snakemake did not
+    make (brought from elsewhere, or whose metadata the user removed with ``snakemake
+    --cleanup-metadata``) is named on the console and used as it is; the run's manifest records
+    its bytes.
+
+    Args:
+        made_here: whether Snakemake made a path (``Persistence.metadata``); None: no path is
+            taken as made here.
 
     Raises:
-        snakemake.exceptions.WorkflowError: naming every such file, both hashes and what to do.
+        snakemake.exceptions.WorkflowError: naming every such file or folder and what to do.
     """
     from snakemake.exceptions import WorkflowError
 
@@ -247,14 +282,27 @@ def check_pending_inputs(jobs: list[dict]) -> None:
         )
     from .io import FILES_RECORD
 
-    # a folder its job records (the drafter) without its record: brought from elsewhere, or the record
-    # removed; its stage takes it unchecked, and says so here rather than in its log alone
-    unrecorded = [f for f in inputs if Path(f).is_dir() and not (Path(f) / FILES_RECORD).is_file()]
+    drafters = {f for j in jobs for f in j.get("named_input", {}).get(RECORDED_FOLDER_INPUT, [])}
+    unrecorded = [f for f in inputs if f in drafters and Path(f).is_dir() and not (Path(f) / FILES_RECORD).is_file()]
+    lost = [f for f in unrecorded if made_here is not None and made_here(f)]
+    if lost:
+        raise WorkflowError(
+            f"{len(lost)} drafter folder(s) pending jobs read were made by this workflow but have lost the record of their "
+            f"files ({FILES_RECORD}), so what vLLM would load cannot be checked against what training wrote; "
+            "nothing was run or deleted:\n"
+            + "\n".join(
+                f"  {f}: remake it with `snakemake --forcerun {f}` and the run's own options; or, if you put a folder of "
+                f"your own there on purpose, `snakemake --cleanup-metadata {f}` makes Snakemake forget that it made it, "
+                "and the run uses it as given (its bytes go into the run's manifest)"
+                for f in lost
+            )
+        )
+    unrecorded = [f for f in unrecorded if f not in lost]
     if unrecorded:
         print(
-            f"WARNING: {len(unrecorded)} input folder(s) of pending jobs have no record of their files ({FILES_RECORD}), "
-            "so their bytes cannot be checked against what their job wrote; they are used as they are (remake one "
-            "with `snakemake --forcerun <folder>` to have it checked): " + ", ".join(unrecorded),
+            f"WARNING: {len(unrecorded)} drafter folder(s) pending jobs read were not made by this workflow and have no "
+            f"record of their files ({FILES_RECORD}); they are used as given, unchecked, and the run's manifest records "
+            "their bytes: " + ", ".join(unrecorded),
             file=sys.stderr,
         )
 
@@ -374,7 +422,7 @@ def on_start(workflow, config: dict, layout: RunLayout, target_dir: str | None) 
         AttributeError: Snakemake's internals changed (:func:`needrun_jobs`).
     """
     jobs = needrun_jobs(workflow)
-    check_pending_inputs(jobs)
+    check_pending_inputs(jobs, made_by_snakemake(workflow))
     check_at_start(jobs, config, target_dir)
     keep_incomplete_finished_shards(workflow, jobs)
     print_start_plan(jobs, config, layout, target_dir)
