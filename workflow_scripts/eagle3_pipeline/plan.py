@@ -84,18 +84,22 @@ def load_references(path: str | Path | None = None) -> dict:
 REFERENCES = load_references()
 
 
-def reference_for(platform: str, params: int) -> dict:
+def reference_for(platform: str, params: int, amx: bool | None = None) -> dict:
     """The reference figures of ``platform`` measured on the target nearest ``params`` in size.
 
     Nearest is the smallest ``|log(reference params / params)|``, so a 1B target is planned
-    from SmolLM2-135M's figures on a GPU and a 3B target from the 8B shape's.
+    from SmolLM2-135M's figures on a GPU and a 3B target from the 8B shape's. ``amx``: whether
+    this CPU has AMX tiles (:func:`eagle3_pipeline.precision.cpu_has_amx`); CPU references
+    measured on a CPU of the same kind (their ``amx``) are preferred, where there are any.
 
     Raises:
         KeyError: an unknown platform.
     """
     import math
 
-    return min(REFERENCES[platform], key=lambda r: abs(math.log(r["params"] / max(params, 1))))
+    refs = REFERENCES[platform]
+    same_kind = [r for r in refs if amx is not None and r.get("amx") == amx]
+    return min(same_kind or refs, key=lambda r: abs(math.log(r["params"] / max(params, 1))))
 
 
 #: Completion tokens per prompt as a fraction of ``max_tokens`` (demo run: 59,792 / 296 / 256),
@@ -374,7 +378,9 @@ def speedup_estimate(cfg: dict, eval_prompts: int, figures: dict | None, scale: 
     return {"seconds": round(seconds, 1), "tokens": tokens, "source": src}
 
 
-def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str, bench_dir: str | Path | None = None) -> list[StageEstimate]:
+def make_plan(
+    cfg: dict, target: dict, run_dir: str | Path, platform: str, bench_dir: str | Path | None = None, amx: bool | None = None
+) -> list[StageEstimate]:
     """The plan of a run: one :class:`StageEstimate` per full-model or training stage.
 
     Args:
@@ -391,6 +397,7 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str, bench
         bench_dir: the run's :attr:`RunLayout.bench_dir`: finished jobs' wall times, for the
             fixed seconds of the stages this run has measured (:func:`measured`); None leaves
             them at the model load their outputs record.
+        amx: as for :func:`reference_for`.
 
     Raises:
         KeyError: an unknown platform.
@@ -398,7 +405,7 @@ def make_plan(cfg: dict, target: dict, run_dir: str | Path, platform: str, bench
     from .conventions import resolve_layer_ids
 
     lay = RunLayout.at(run_dir)
-    ref = reference_for(platform, target["params"])
+    ref = reference_for(platform, target["params"], amx)
     got = measured(run_dir, bench_dir)
     prompts_summary = _read(Path(lay.prompt_summary()))
     traces = [
@@ -708,6 +715,7 @@ def plan_run(
     jobs: list[dict],
     platform: str | None = None,
     bench_dir: str | Path | None = None,
+    amx: bool | None = None,
 ) -> tuple[list[StageEstimate], str]:
     """Plan a workflow run: :func:`make_plan` with the target's shape and the platform found here,
     restricted to the jobs Snakemake will run.
@@ -723,6 +731,9 @@ def plan_run(
             the CPU has fast bf16 and ``"cpu_fp32"`` where it has not
             (:func:`eagle3_pipeline.precision.cpu_has_fast_bf16`).
         bench_dir: as for :func:`make_plan`.
+        amx: as for :func:`reference_for`; when ``platform`` is None and this machine is a CPU
+            one, found here (:func:`eagle3_pipeline.precision.cpu_has_amx`). A given
+            ``platform`` plans for another machine, whose CPU this one's does not tell.
 
     Returns:
         ``(stages, platform)``; a stage none of whose jobs is in ``jobs`` is marked ``done``,
@@ -731,9 +742,10 @@ def plan_run(
     from .parallel import visible_gpus
 
     if platform is None:
-        from .precision import cpu_has_fast_bf16
+        from .precision import cpu_has_amx, cpu_has_fast_bf16
 
         platform = "cuda" if visible_gpus() else "cpu" if cpu_has_fast_bf16() else "cpu_fp32"
+        amx = cpu_has_amx() if platform != "cuda" and amx is None else amx
     if target_dir is not None and (Path(target_dir) / "config.json").is_file():
         from .target_model import text_config
 
@@ -746,7 +758,7 @@ def plan_run(
         }
     else:
         target = BUILTIN_SHAPE
-    stages = make_plan(cfg, target, run_dir, platform, bench_dir)
+    stages = make_plan(cfg, target, run_dir, platform, bench_dir, amx)
     for st in stages:
         st.pending = [j["wildcards"] for j in jobs if job_stage(j) == st.stage]
         st.done = not st.pending
