@@ -864,6 +864,7 @@ def test_generations_progress_counts_tokens_so_its_eta_holds(monkeypatch, case, 
     end = clock["now"]
     prog.close(complete=True)
     assert prog.bar.n == prog.bar.total == sum(lengths) and prog.prompts_done == prompts
+    assert prog.bar.format_dict["rate"] == pytest.approx(sum(lengths) / end)  # the last line: the run's mean rate
     early_alone = []
     for now, total, eta, alone in seen:
         if not 0.05 * end <= now <= 0.9 * end:

@@ -393,7 +393,7 @@ class CompletionProgress:
         self.lengths = np.zeros(self.max_tokens + 1, dtype=np.int64)  # finished answers by length
         self.done_answers = self.done_tokens = self.prompts_done = self.generated = 0
         self.prompts_added = self.prompt_tokens_added = self.prefilled = 0
-        self.last_update = -float("inf")
+        self.last_update, self.started = -float("inf"), clock()
         self.reads: deque[tuple[float, int, int]] = deque()  # (clock, prefilled, generated) of recent updates
         self.bar = progress(total=self.expected_total(), desc=desc, unit="tok", unit_scale=True, rate_source=self.rate)
 
@@ -509,6 +509,9 @@ class CompletionProgress:
         self.update()
         if complete:
             self.bar.total = self.bar.n
+        elapsed = self.clock() - self.started
+        mean = self.generated / elapsed if elapsed > 0 else None
+        self.bar.rate_source = lambda: mean  # the last line shows the whole run's rate, not the ETA's
         self.bar.close()
 
 

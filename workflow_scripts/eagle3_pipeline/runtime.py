@@ -117,17 +117,18 @@ class _LineWriter:
 
 
 class _Bar(tqdm):
-    """A tqdm bar whose shown rate, and so its ETA, is ``rate_source()`` when one is given."""
+    """A tqdm bar whose shown rate, and so its ETA, is ``rate_source()`` when one is given (an
+    attribute its owner may replace, e.g. by the mean rate once the work is done)."""
 
     def __init__(self, *args: Any, rate_source: Callable[[], float | None] | None = None, **kw: Any) -> None:
-        self._rate_source = rate_source  # set first: tqdm's constructor may already print
+        self.rate_source = rate_source  # set first: tqdm's constructor may already print
         super().__init__(*args, **kw)
 
     @property
     def format_dict(self) -> dict:
         d = super().format_dict
-        if self._rate_source is not None:
-            d["rate"] = self._rate_source() or 0.0  # 0: tqdm shows the rate and the ETA as "?"
+        if self.rate_source is not None:
+            d["rate"] = self.rate_source() or 0.0  # 0: tqdm shows the rate and the ETA as "?"
         return d
 
 
