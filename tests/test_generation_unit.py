@@ -922,6 +922,9 @@ def test_generations_progress_without_a_counter_and_with_rejected_prompts():
 
     read = engine_token_counters(SimpleNamespace(get_metrics=metrics))
     assert read() == (0, 0) and read() == (50, 250) and len(calls) == 3
+    two = [SimpleNamespace(name=n, value=v) for n, v in (("vllm:prompt_tokens", 5), ("vllm:generation_tokens", 7))] * 2
+    counts = iter([two, two + two])  # two engines' counters, then the same counted again: summed
+    assert engine_token_counters(SimpleNamespace(get_metrics=lambda: next(counts)))() == (10, 14)
 
     def stats_off():
         raise AssertionError("Stat logging disabled")

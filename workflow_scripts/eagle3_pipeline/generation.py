@@ -312,11 +312,14 @@ def engine_token_counters(llm) -> Callable[[], tuple[int, int]] | None:
     """
 
     def read() -> tuple[int, int] | None:
+        got: dict[str, int] = {}
         try:
-            got = {m.name: int(m.value) for m in llm.get_metrics() if m.name in TOKEN_COUNTERS}
+            for m in llm.get_metrics():  # one entry per engine of the LLM: summed
+                if m.name in TOKEN_COUNTERS:
+                    got[m.name] = got.get(m.name, 0) + int(m.value)
         except (AssertionError, AttributeError, TypeError, ValueError):  # stats off: vLLM asserts
             return None
-        return tuple(got[k] for k in TOKEN_COUNTERS) if len(got) == len(TOKEN_COUNTERS) else None  # type: ignore[return-value]
+        return (got[TOKEN_COUNTERS[0]], got[TOKEN_COUNTERS[1]]) if len(got) == len(TOKEN_COUNTERS) else None
 
     base = read()
     if base is None:
