@@ -144,6 +144,7 @@ def run_eval(
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    from .generation import engine_token_counters
     from .io import InputError
 
     kept, rejects = fit_prompts(questions, prompts, eval_cfg["max_tokens"], max_seq_len) if max_seq_len else (list(range(len(prompts))), [])
@@ -152,8 +153,6 @@ def run_eval(
     if not kept:
         raise InputError(f"no evaluation prompt fits: {rejects[0]['detail']} (all {len(rejects)} prompts)")
     questions, prompts = [questions[i] for i in kept], [prompts[i] for i in kept]
-    from .generation import engine_token_counters
-
     params = SamplingParams(
         temperature=eval_cfg["temperature"], max_tokens=eval_cfg["max_tokens"], output_kind=RequestOutputKind.FINAL_ONLY
     )
