@@ -141,7 +141,7 @@ def test_a_shard_hashed_while_it_is_filled_has_the_sha256_of_its_finished_bytes(
     multiple of 4) stores its float32 scales before the states; of hidden size 8, after them."""
     import hashlib
 
-    from eagle3_pipeline.shards import ShardHasher, ShardWriter
+    from eagle3_pipeline.shards import ShardHasher, ShardWriter, row_bytes
 
     rng = np.random.default_rng(3)
     lengths = [5, 9, 4, 7, 6, 4]  # 35 tokens: 35 x 2 x 3 fp8 bytes of states, not a multiple of 4
@@ -156,6 +156,9 @@ def test_a_shard_hashed_while_it_is_filled_has_the_sha256_of_its_finished_bytes(
     filled = sorted((header[k]["data_offsets"], k) for k in ("hidden_states", "hidden_states_scale") if k in header)
     (first, last), name = filled[0]
     assert name == ("hidden_states_scale" if hidden == 3 else "hidden_states")
+    assert row_bytes(header, "hidden_states") == 2 * hidden * dtype.itemsize  # [T, 2 layers, hidden] of dtype
+    if "hidden_states_scale" in header:
+        assert row_bytes(header, "hidden_states_scale") == 2 * 4  # [T, 2 layers] float32
     start, row_bytes = 8 + n + first, (last - first) // rows[-1]
     states = torch.randn(rows[-1], 2, hidden)
     done: set[int] = set()

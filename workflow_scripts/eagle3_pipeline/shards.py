@@ -160,6 +160,16 @@ _TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 ROW_TENSORS = ("hidden_states", "hidden_states_scale")
 
 
+def row_bytes(header: dict, name: str) -> int:
+    """Bytes one token row takes in tensor ``name`` of a shard's safetensors ``header``
+    (:func:`read_shard_header`): its data span over the token count, ``hidden_states``' first
+    dimension. Tensors in :data:`ROW_TENSORS` are stored row after row, so rows ``[r, r + n)``
+    start ``r * row_bytes`` into the tensor's data. 0 for a shard of no tokens."""
+    a, b = header[name]["data_offsets"]
+    num_tokens = header["hidden_states"]["shape"][0]
+    return (b - a) // num_tokens if num_tokens else 0
+
+
 class RowsWritten(NamedTuple):
     """What one :meth:`ShardWriter.write_states` call wrote: token rows ``[row, row + rows)``,
     ``nbytes`` bytes, and ``crc32``, zlib's CRC-32 of those bytes (the states', then an fp8
@@ -360,9 +370,8 @@ class ShardWriter:
 
     def _row_span(self, name: str, row: int, rows: int) -> tuple[int, int]:
         """``(file offset, bytes)`` of rows ``[row, row + rows)`` of the row tensor ``name``."""
-        a, b = self.header[name]["data_offsets"]
-        row_bytes = (b - a) // max(self.num_tokens, 1)
-        return self._start + a + row * row_bytes, rows * row_bytes
+        size = row_bytes(self.header, name)
+        return self._start + self.header[name]["data_offsets"][0] + row * size, rows * size
 
     def rows_crc32(self, row: int, rows: int) -> int:
         """The CRC-32 of rows ``[row, row + rows)`` as the file holds them now, in the order
@@ -457,7 +466,7 @@ class ShardHasher:
         self._chunk_ends = ends
         # (start byte, row bytes or 0 for a tensor that is final from the start), in file order
         tensors = sorted((e["data_offsets"], name) for name, e in header.items() if name != "__metadata__")
-        self._regions = [(len(prefix) + a, (b - a) // max(self.num_tokens, 1) if name in ROW_TENSORS else 0) for (a, b), name in tensors]
+        self._regions = [(len(prefix) + a, row_bytes(header, name) if name in ROW_TENSORS else 0) for (a, _), name in tensors]
         self._sha = hashlib.sha256()
         self._buf = memoryview(bytearray(buffer_bytes))
         self._file = open(self.path, "rb", buffering=0)  # noqa: SIM115 -- closed by hexdigest, or when following ends
@@ -474,9 +483,9 @@ class ShardHasher:
             if k not in done:
                 break
             rows = end
-        for start, row_bytes in self._regions:
-            if row_bytes and rows < self.num_tokens:
-                return start + rows * row_bytes
+        for start, per_row in self._regions:
+            if per_row and rows < self.num_tokens:
+                return start + rows * per_row
         return self.size
 
     def update(self, upto: int, stop: threading.Event | None = None) -> None:
