@@ -17,6 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from .conventions import answer_id, prompt_of, repetition_loop
 from .io import InputError, sha256_json
 from .layout import pids_of, summary_beside
@@ -445,18 +447,16 @@ class CompletionProgress:
             return g_left * dt / dg
         prompts_left = self.answers_left / self.answers_per_prompt
         p_left = max(self.prompt_tokens_added - self.prefilled, 0) + prompts_left * self.prompt_tokens_added / self.prompts_added
-        spp = sum(p * p for _, p, _ in steps)
-        sgg = sum(g * g for _, _, g in steps)
-        spg = sum(p * g for _, p, g in steps)
-        det = spp * sgg - spg * spg
-        if len(steps) > 3 and det > 0.05 * spp * sgg:  # the counts are not (nearly) proportional
-            spt = sum(p * t for t, p, _ in steps)
-            sgt = sum(g * t for t, _, g in steps)
-            a, b = (spt * sgg - sgt * spg) / det, (sgt * spp - spt * spg) / det
-            var = sum((t - a * p - b * g) ** 2 for t, p, g in steps) / (len(steps) - 2)  # of a read's seconds
-            # both costs known to within a quarter (their standard errors), else one cost
-            if a > 0 and b > 0 and var * sgg / det < (a / 4) ** 2 and var * spp / det < (b / 4) ** 2:
-                return a * p_left + b * g_left
+        if len(steps) > 3:
+            counts = np.array([(p, g) for _, p, g in steps], dtype=float)  # [reads, 2]
+            gram = counts.T @ counts
+            if np.linalg.det(gram) > 0.05 * gram[0, 0] * gram[1, 1]:  # the counts are not (nearly) proportional
+                (a, b), residual, _, _ = np.linalg.lstsq(counts, np.array([t for t, _, _ in steps]), rcond=None)
+                var = residual[0] / (len(steps) - 2)  # of a read's seconds
+                se2 = var * np.diag(np.linalg.inv(gram))  # the costs' squared standard errors
+                # both costs known to within a quarter of themselves, else one cost
+                if a > 0 and b > 0 and se2[0] < (a / 4) ** 2 and se2[1] < (b / 4) ** 2:
+                    return float(a * p_left + b * g_left)
         return dt / (dp + dg) * (p_left + g_left)
 
     def rate(self) -> float | None:
