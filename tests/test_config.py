@@ -362,3 +362,12 @@ def test_min_completion_tokens_must_leave_room_for_a_prompt():
     with pytest.raises(ConfigError, match=r"generation.min_completion_tokens 512 leaves no room for a prompt within max_seq_len 512"):
         validate_config({"max_seq_len": 512, "generation": {"min_completion_tokens": 512}})
     assert validate_config({"max_seq_len": 512, "generation": {"min_completion_tokens": 511}})["generation"]["min_completion_tokens"] == 511
+
+
+def test_evaluation_max_tokens_must_leave_room_for_a_prompt():
+    """Refused when the config is read, not in evaluate_drafter after every other stage."""
+    with pytest.raises(ConfigError, match=r"evaluation.max_tokens 5000 leaves no room for a prompt within max_seq_len 2048"):
+        validate_config({"max_seq_len": 2048, "evaluation": {"max_tokens": 5000}})
+    with pytest.raises(ConfigError, match=r"evaluation.max_tokens 512 leaves no room"):
+        validate_config({"max_seq_len": 512, "evaluation": {"max_tokens": 512}})
+    assert validate_config({"max_seq_len": 512, "evaluation": {"max_tokens": 511}})["evaluation"]["max_tokens"] == 511

@@ -314,7 +314,7 @@ def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) 
             mean 'lr' for 'lrr'?)``,
             or ``vllm.replicas_per_gpu`` > 1 with a multi-GPU engine, or
             ``generation.answers_per_prompt`` > 1 with greedy decoding (temperature 0),
-            ``generation.min_completion_tokens`` >= ``max_seq_len``, or a
+            ``generation.min_completion_tokens`` or ``evaluation.max_tokens`` >= ``max_seq_len``, or a
             ``vllm.extra_engine_args`` key the workflow sets from a setting
             (:data:`ENGINE_ARGS_FROM_SETTINGS`).
 
@@ -341,6 +341,12 @@ def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) 
         raise ConfigError(
             f"invalid configuration: generation.min_completion_tokens {g['min_completion_tokens']} leaves no room for a "
             f"prompt within max_seq_len {cfg['max_seq_len']} (every prompt would be rejected as prompt_too_long); "
+            "lower it or raise max_seq_len"
+        )
+    if cfg["evaluation"]["max_tokens"] >= cfg["max_seq_len"]:
+        raise ConfigError(
+            f"invalid configuration: evaluation.max_tokens {cfg['evaluation']['max_tokens']} leaves no room for a prompt "
+            f"within max_seq_len {cfg['max_seq_len']} (evaluation would find no prompt that fits, after every other stage); "
             "lower it or raise max_seq_len"
         )
     if g["answers_per_prompt"] > 1 and g["temperature"] == 0:
