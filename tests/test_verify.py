@@ -349,16 +349,43 @@ def test_a_run_names_an_input_folder_without_its_record_on_the_console(tmp_path,
     (drafter / FILES_RECORD).unlink()
     check_pending_inputs(jobs)
     err = capsys.readouterr().err
-    assert f"1 drafter folder(s) pending jobs read were not made by this workflow and have no record of their files ({FILES_RECORD})" in err
+    assert f"1 input(s) of pending jobs were not made by this workflow and have no record of their files ({FILES_RECORD})" in err
     assert str(drafter) in err and str(target) not in err
     check_pending_inputs(jobs + [{"input": [], "output": [str(drafter)]}])  # remade by a pending job: not an input
     assert "WARNING" not in capsys.readouterr().err
     check_pending_inputs(jobs, made_here=lambda path: False)  # Snakemake did not make it: brought from elsewhere
-    assert "1 drafter folder(s) pending jobs read were not made by this workflow" in capsys.readouterr().err
+    assert "1 input(s) of pending jobs were not made by this workflow" in capsys.readouterr().err
     with pytest.raises(WorkflowError) as e:  # Snakemake made it, and its record is gone: refused
         check_pending_inputs(jobs, made_here=lambda path: True)
-    assert str(e.value).startswith("1 drafter folder(s) pending jobs read were made by this workflow but have lost the record")
+    assert str(e.value).startswith("1 input(s) of pending jobs were made by this workflow but have lost the record")
     assert f"`snakemake --forcerun {drafter}`" in str(e.value) and f"`snakemake --cleanup-metadata {drafter}`" in str(e.value)
+
+
+def test_a_draft_vocabulary_that_lost_its_record_is_refused_when_the_workflow_made_it(tmp_path, capsys):
+    """train_drafter's d2t/t2d without their folder's .sha256.json (which build_vocab_mapping
+    writes): refused when Snakemake made them, as a drafter is; a token_freq file beside them,
+    which no pending job names as d2t/t2d, is not named."""
+    from eagle3_pipeline.io import FILES_RECORD, record_files
+
+    vocab = tmp_path / "vocab"
+    vocab.mkdir()
+    for name in ("d2t", "t2d", "token_freq"):
+        np.save(vocab / f"{name}.npy", np.arange(4))
+    record_files(vocab, ["d2t.npy", "t2d.npy", "token_freq.npy"])
+    d2t, t2d = str(vocab / "d2t.npy"), str(vocab / "t2d.npy")
+    jobs = [{"input": [d2t, t2d], "named_input": {"d2t": [d2t], "t2d": [t2d]}, "output": [str(tmp_path / "drafter")]}]
+    check_pending_inputs(jobs, made_here=lambda path: True)  # recorded: fine
+    assert "WARNING" not in capsys.readouterr().err
+    (vocab / FILES_RECORD).unlink()
+    with pytest.raises(WorkflowError) as e:
+        check_pending_inputs(jobs, made_here=lambda path: True)
+    msg = str(e.value)
+    assert msg.startswith("2 input(s) of pending jobs were made by this workflow but have lost the record of their files")
+    assert f"  {d2t}: no {vocab / FILES_RECORD}; remake it with `snakemake --forcerun {d2t}`" in msg
+    assert f"a file of your own there on purpose, `snakemake --cleanup-metadata {t2d}`" in msg and "token_freq" not in msg
+    check_pending_inputs(jobs, made_here=lambda path: False)  # brought from elsewhere: named, used as given
+    err = capsys.readouterr().err
+    assert "2 input(s) of pending jobs were not made by this workflow" in err and d2t in err and t2d in err
 
 
 @pytest.mark.e2e
@@ -381,7 +408,7 @@ def test_a_drafter_that_lost_its_record_is_refused_until_snakemake_forgets_makin
     (wd / drafter / ".sha256.json").unlink()
     args = ("--cores", "2", "--resources", "mem_gb=100", "--forcerun", "evaluate_drafter")
     r = snakemake_cli(wd, wd / "small.yaml", *args, cwd=wd)
-    assert r.returncode != 0 and "1 drafter folder(s) pending jobs read were made by this workflow" in r.stderr, r.stderr[-3000:]
+    assert r.returncode != 0 and "1 input(s) of pending jobs were made by this workflow" in r.stderr, r.stderr[-3000:]
     assert f"`snakemake --cleanup-metadata {drafter}`" in r.stderr and "evaluate_drafter.log" not in r.stderr
     r = snakemake_cli(wd, wd / "small.yaml", "--cleanup-metadata", drafter, cwd=wd)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -405,7 +432,7 @@ def test_a_drafter_that_lost_its_record_is_refused_until_snakemake_forgets_makin
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     err = "".join(seen)
-    assert "1 drafter folder(s) pending jobs read were not made by this workflow" in err and drafter in err, err[-3000:]
+    assert "1 input(s) of pending jobs were not made by this workflow" in err and drafter in err, err[-3000:]
     assert seen[-1].startswith(("rule evaluate_drafter", "localrule evaluate_drafter")), err[-3000:]  # not trained again
 
 

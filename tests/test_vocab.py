@@ -4,7 +4,7 @@ import torch
 from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
 from eagle3_pipeline.io import InputError
-from eagle3_pipeline.vocab import build_mapping, count_supervised_tokens, coverage_report
+from eagle3_pipeline.vocab import build_mapping, count_supervised_tokens, coverage_report, load_mapping, mapping_problem
 
 
 def independent_mapping(counts: np.ndarray, n: int):
@@ -109,3 +109,32 @@ def test_the_vocab_counts_only_trace_shards_with_the_bytes_generation_recorded(t
     shard.write_text(shard.read_text().replace("504", "501", 1))
     with pytest.raises(InputError, match=r"shard-00000\.jsonl: its bytes differ from what its producer recorded"):
         list(recorded_completions([shard]))
+
+
+def test_a_draft_vocabulary_changed_on_disk_is_refused_before_training_reads_it(tmp_path):
+    """speculators' own builder's mapping passes; a flipped bit in d2t.npy (the value a corrupted
+    file gave, 2**34 + 46: vLLM's engine died on it as an index error), two draft ids on one target
+    id, and a t2d that marks other ids are each named with the entry at fault."""
+    rng = np.random.default_rng(0)
+    counts = rng.integers(0, 50, size=1000)
+    d2t, t2d = build_mapping(counts, 64)  # speculators' builder
+    assert mapping_problem(d2t, t2d) is None
+    np.save(tmp_path / "d2t.npy", d2t)
+    np.save(tmp_path / "t2d.npy", t2d)
+    got_d2t, got_t2d = load_mapping(tmp_path)
+    assert np.array_equal(got_d2t, d2t) and np.array_equal(got_t2d, t2d)
+    ids = np.flatnonzero(t2d)  # the target ids, independently: t2d's true entries
+    bad = d2t.copy()
+    bad[7] ^= 1 << 34
+    np.save(tmp_path / "d2t.npy", bad)
+    with pytest.raises(InputError) as e:
+        load_mapping(tmp_path)
+    assert f"d2t[7] = {int(bad[7])} maps draft id 7 to target id {7 + int(bad[7])}, outside the target vocabulary of 1000" in str(e.value)
+    assert str(e.value).startswith(f"{tmp_path}: not a draft vocabulary") and f"--forcerun {tmp_path / 'd2t.npy'}" in str(e.value)
+    twice = d2t.copy()
+    twice[5] = ids[4] - 5  # draft ids 4 and 5 on one target id
+    assert mapping_problem(twice, t2d) == f"d2t[5] = {int(twice[5])} maps draft id 5 to target id {ids[4]}, not above draft id 4's {ids[4]}"
+    other = t2d.copy()
+    other[ids[0]], other[np.flatnonzero(~t2d)[0]] = False, True  # as many ids marked, one of them another
+    assert mapping_problem(d2t, other) == "t2d marks 64 target ids, not the 64 that d2t maps to"
+    assert "not int [N] and bool [V]" in mapping_problem(d2t.astype(np.float32), t2d)

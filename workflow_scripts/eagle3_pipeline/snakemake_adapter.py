@@ -240,9 +240,19 @@ def target_rules(workflow) -> set[str]:
         return set()
 
 
-#: The input name of the folders a job reads against the record of their files (``drafter``:
-#: ``evaluate_drafter``'s and its variants', checked by :func:`eagle3_pipeline.io.check_recorded_files`).
-RECORDED_FOLDER_INPUT = "drafter"
+#: The input names of what jobs read against a record of files that its producer always writes
+#: (:func:`eagle3_pipeline.io.record_files`, checked by :func:`eagle3_pipeline.io.check_recorded_files`):
+#: the drafter folder (``evaluate_drafter``'s and its variants'; the record inside it) and the
+#: draft vocabulary's files (``train_drafter``'s; the record in their folder).
+RECORDED_INPUTS = ("drafter", "d2t", "t2d")
+
+
+def _files_record(path: str) -> Path:
+    """The record of files that covers ``path``: inside it for a folder, beside it for a file."""
+    from .io import FILES_RECORD
+
+    p = Path(path)
+    return (p if p.is_dir() else p.parent) / FILES_RECORD
 
 
 def check_pending_inputs(jobs: list[dict], made_here: Callable[[str], bool] | None = None) -> None:
@@ -253,13 +263,13 @@ def check_pending_inputs(jobs: list[dict], made_here: Callable[[str], bool] | No
     e.g. a trace shard edited after generation, which would otherwise stop extraction only after
     Snakemake deleted the shard's good hidden states.
 
-    A drafter a pending job reads (its input named :data:`RECORDED_FOLDER_INPUT`) without its
-    record of files (``.sha256.json``, which training writes) is refused when this workflow made
-    it (``made_here``: Snakemake keeps metadata of the outputs it made): its record is gone, so
-    the bytes vLLM would load cannot be told from what training wrote. One Snakemake did not
-    make (brought from elsewhere, or whose metadata the user removed with ``snakemake
-    --cleanup-metadata``) is named on the console and used as it is; the run's manifest records
-    its bytes.
+    A drafter or draft vocabulary a pending job reads (its input named in :data:`RECORDED_INPUTS`)
+    without its record of files (``.sha256.json``, which training and the vocabulary's job write)
+    is refused when this workflow made it (``made_here``: Snakemake keeps metadata of the outputs it
+    made): its record is gone, so the bytes the stage would read cannot be told from what their
+    producer wrote. One Snakemake did not make (brought from elsewhere, or whose metadata the user
+    removed with ``snakemake --cleanup-metadata``) is named on the console and used as it is; the
+    run's manifest records its bytes.
 
     Args:
         made_here: whether Snakemake made a path (``Persistence.metadata``); None: no path is
@@ -282,27 +292,28 @@ def check_pending_inputs(jobs: list[dict], made_here: Callable[[str], bool] | No
         )
     from .io import FILES_RECORD
 
-    drafters = {f for j in jobs for f in j.get("named_input", {}).get(RECORDED_FOLDER_INPUT, [])}
-    unrecorded = [f for f in inputs if f in drafters and Path(f).is_dir() and not (Path(f) / FILES_RECORD).is_file()]
+    recorded = {f for j in jobs for name in RECORDED_INPUTS for f in j.get("named_input", {}).get(name, [])}
+    unrecorded = [f for f in inputs if f in recorded and Path(f).exists() and not _files_record(f).is_file()]
     lost = [f for f in unrecorded if made_here is not None and made_here(f)]
     if lost:
         raise WorkflowError(
-            f"{len(lost)} drafter folder(s) pending jobs read were made by this workflow but have lost the record of their "
-            f"files ({FILES_RECORD}), so what vLLM would load cannot be checked against what training wrote; "
+            f"{len(lost)} input(s) of pending jobs were made by this workflow but have lost the record of their files "
+            f"({FILES_RECORD}), so what the stage would read cannot be checked against what its producer wrote; "
             "nothing was run or deleted:\n"
             + "\n".join(
-                f"  {f}: remake it with `snakemake --forcerun {f}` and the run's own options; or, if you put a folder of "
-                f"your own there on purpose, `snakemake --cleanup-metadata {f}` makes Snakemake forget that it made it, "
-                "and the run uses it as given (its bytes go into the run's manifest)"
+                f"  {f}: no {_files_record(f)}; remake it with `snakemake --forcerun {f}` and the run's own options; or, if "
+                f"you put {'a folder' if Path(f).is_dir() else 'a file'} of your own there on purpose, `snakemake "
+                f"--cleanup-metadata {f}` makes Snakemake forget that it made it, and the run uses it as given (its bytes "
+                "go into the run's manifest)"
                 for f in lost
             )
         )
     unrecorded = [f for f in unrecorded if f not in lost]
     if unrecorded:
         print(
-            f"WARNING: {len(unrecorded)} drafter folder(s) pending jobs read were not made by this workflow and have no "
-            f"record of their files ({FILES_RECORD}); they are used as given, unchecked, and the run's manifest records "
-            "their bytes: " + ", ".join(unrecorded),
+            f"WARNING: {len(unrecorded)} input(s) of pending jobs were not made by this workflow and have no record of "
+            f"their files ({FILES_RECORD}); they are used as given, unchecked, and the run's manifest records their "
+            "bytes: " + ", ".join(unrecorded),
             file=sys.stderr,
         )
 

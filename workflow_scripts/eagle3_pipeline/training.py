@@ -34,6 +34,7 @@ from .layout import CHECKPOINT_DIR
 from .resume import finished_by_another_job
 from .runtime import Timer, progress
 from .shards import ShardReader
+from .vocab import load_mapping
 
 logger = logging.getLogger(__name__)
 
@@ -777,8 +778,7 @@ def train(
         aux, aux_columns = drafter_aux_columns(cfg.get("aux_layer_ids"), readers[0].aux_layer_ids)
     except ValueError as e:
         raise InputError(f"training.aux_layer_ids: {e} ({readers[0].path})") from None
-    d2t = np.load(Path(vocab_dir) / "d2t.npy")
-    t2d = np.load(Path(vocab_dir) / "t2d.npy")
+    d2t, t2d = load_mapping(vocab_dir)
 
     hs_dtype, autocast = training_dtypes(cfg, device)
     total_seq_len = max(cfg["pack_tokens"], max_seq_len)

@@ -120,6 +120,45 @@ def load_mapping_from_drafter(drafter_dir: str | Path) -> tuple[np.ndarray, np.n
         return f.get_tensor("d2t").astype(np.int64), f.get_tensor("t2d").astype(bool)
 
 
+def mapping_problem(d2t: np.ndarray, t2d: np.ndarray) -> str | None:
+    """What makes ``(d2t, t2d)`` not one draft vocabulary (the module's convention), or None.
+
+    ``d2t`` must be integer ``[N]`` and ``t2d`` bool ``[V]``; the target ids
+    ``arange(N) + d2t`` strictly ascending within ``[0, V)`` (speculators' builder sorts them),
+    and exactly those ids true in ``t2d``. A value read from damaged bytes (e.g. ``2**34 + 46``)
+    fails the range check, which is all vLLM's own lookup would see, as an index error in its engine.
+    """
+    if d2t.ndim != 1 or t2d.ndim != 1 or not np.issubdtype(d2t.dtype, np.integer) or t2d.dtype != np.bool_:
+        return f"d2t {d2t.dtype} {list(d2t.shape)} and t2d {t2d.dtype} {list(t2d.shape)} are not int [N] and bool [V]"
+    ids = np.arange(d2t.shape[0]) + d2t.astype(np.int64)
+    if ids.size and (bad := np.flatnonzero((ids < 0) | (ids >= t2d.shape[0]))).size:
+        i = int(bad[0])
+        return f"d2t[{i}] = {int(d2t[i])} maps draft id {i} to target id {int(ids[i])}, outside the target vocabulary of {t2d.shape[0]}"
+    if ids.size > 1 and (bad := np.flatnonzero(np.diff(ids) <= 0)).size:
+        i = int(bad[0]) + 1
+        return f"d2t[{i}] = {int(d2t[i])} maps draft id {i} to target id {int(ids[i])}, not above draft id {i - 1}'s {int(ids[i - 1])}"
+    if int(t2d.sum()) != ids.size or not bool(t2d[ids].all()):
+        return f"t2d marks {int(t2d.sum())} target ids, not the {ids.size} that d2t maps to"
+    return None
+
+
+def load_mapping(vocab_dir: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """The run's draft vocabulary ``(d2t int64 [N], t2d bool [V])`` from ``d2t.npy`` and
+    ``t2d.npy`` in ``vocab_dir`` (build_vocab_mapping's output), checked by :func:`mapping_problem`.
+
+    Raises:
+        InputError: the two are not one draft vocabulary (naming the folder, the first bad entry
+            and what to do).
+    """
+    d2t, t2d = np.load(Path(vocab_dir) / "d2t.npy"), np.load(Path(vocab_dir) / "t2d.npy")
+    if problem := mapping_problem(d2t, t2d):
+        raise InputError(
+            f"{vocab_dir}: not a draft vocabulary: {problem}; its files were changed after build_vocab_mapping wrote them: "
+            f"remake them with `snakemake --forcerun {Path(vocab_dir) / 'd2t.npy'}`"
+        )
+    return d2t.astype(np.int64), t2d
+
+
 def choose_mapping(counts: np.ndarray, draft_vocab_size: int, init_from: str | Path | None = None) -> tuple[np.ndarray, np.ndarray, str]:
     """The run's ``(d2t, t2d, origin)``: inherited from a warm-start drafter, else built.
 
