@@ -133,3 +133,89 @@ def test_a_training_finished_by_the_job_of_a_killed_snakemake_is_kept_by_its_rer
     again = run()
     assert again["fingerprint"] == first["fingerprint"] and again["steps"] == first["steps"]
     assert metrics.stat().st_mtime_ns != before[metrics]
+
+
+def test_a_finished_training_marked_incomplete_is_kept_by_the_rerun_start_and_taken_back(tmp_path, caplog):
+    """A killed snakemake leaves a training that finished after it marked incomplete: the rerun's
+    start keeps the drafter folder, metrics and summary (hard links) before Snakemake deletes
+    them, and the job takes them back when its fingerprint is the summary's and the drafter's
+    files are those training recorded; under another fingerprint, or with a drafter file altered
+    since, it does the work again. The store is gone after each take-back."""
+    import functools
+    import logging
+    import shutil
+
+    from eagle3_pipeline.io import check_recorded_files, record_files
+    from eagle3_pipeline.resume import ChunkStore, take_back_kept
+    from eagle3_pipeline.shard_job import keep_for_rerun
+
+    drafter, metrics, summary = tmp_path / "drafter", tmp_path / "train" / "metrics.jsonl", tmp_path / "train" / "summary.json"
+
+    def finished() -> None:  # what training leaves
+        drafter.mkdir()
+        (drafter / "config.json").write_text('{"a": 1}')
+        (drafter / "model.safetensors").write_bytes(b"weights" * 100)
+        record_files(drafter)
+        metrics.parent.mkdir(exist_ok=True)
+        metrics.write_text('{"step": 1}\n')
+        summary.write_text(json.dumps({"fingerprint": "fp", "steps": 2}))
+
+    def deleted_by_snakemake() -> None:
+        shutil.rmtree(drafter)
+        metrics.unlink()
+        summary.unlink()
+
+    check = functools.partial(check_recorded_files, drafter, exhaustive=True)
+    finished()
+    assert keep_for_rerun([str(drafter), str(metrics)], str(summary), check=check)
+    deleted_by_snakemake()
+    assert take_back_kept([drafter, metrics], summary, "fp", check) == {"fingerprint": "fp", "steps": 2}
+    assert (drafter / "model.safetensors").read_bytes() == b"weights" * 100 and metrics.read_text() == '{"step": 1}\n'
+    assert check()["model.safetensors"] and not ChunkStore.dir_for(drafter).exists()
+    assert take_back_kept([drafter, metrics], summary, "fp", check) is None  # nothing kept any more
+    keep_for_rerun([str(drafter), str(metrics)], str(summary), check=check)
+    deleted_by_snakemake()
+    assert take_back_kept([drafter, metrics], summary, "other settings", check) is None
+    assert not drafter.exists() and not ChunkStore.dir_for(drafter).exists()
+    finished()
+    keep_for_rerun([str(drafter), str(metrics)], str(summary), check=check)
+    with open(drafter / "model.safetensors", "r+b") as f:  # altered in place: the kept link holds the same bytes
+        f.write(b"W")
+    deleted_by_snakemake()
+    with caplog.at_level(logging.WARNING):
+        assert take_back_kept([drafter, metrics], summary, "fp", check) is None
+    assert "not taking back the kept outputs" in caplog.text and "model.safetensors" in caplog.text
+    assert not drafter.exists() and not summary.exists() and not ChunkStore.dir_for(drafter).exists()
+    finished()
+    (drafter / "model.safetensors").write_bytes(b"other")  # altered before the rerun's start: not kept
+    assert not keep_for_rerun([str(drafter), str(metrics)], str(summary), check=check)
+
+
+def test_a_checkpoint_changed_after_it_was_saved_is_refused_before_it_is_loaded(tmp_path):
+    """save records the SHA-256 of what torch.save wrote (hashed on the way); one flipped bit in a
+    weight, which torch.load itself accepts, is refused with both hashes; a checkpoint of an
+    earlier version (no state_sha256) still loads."""
+    import hashlib
+
+    from eagle3_pipeline.io import InputError
+    from eagle3_pipeline.training import TrainCheckpoint
+
+    ckpt = TrainCheckpoint(tmp_path / ".checkpoint", "fp")
+    weights = torch.arange(100000, dtype=torch.float32)
+    ckpt.save({"step": 8, "total_steps": 24, "epoch": 0, "tokens_seen": 100, "weights": weights})
+    path = ckpt.dir / "state.pt"
+    meta = json.loads((ckpt.dir / "progress.json").read_text())
+    assert meta["state_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest() and meta["step"] == 8
+    assert torch.equal(ckpt.load()["weights"], weights)
+    data = bytearray(path.read_bytes())
+    at = bytes(data).index(weights[5000:5004].numpy().tobytes())  # inside the weights' bytes
+    data[at + 2] ^= 0x40
+    path.write_bytes(bytes(data))
+    assert not torch.equal(torch.load(path, weights_only=False)["weights"], weights)  # torch.load takes it
+    with pytest.raises(InputError) as e:
+        ckpt.load()
+    got = hashlib.sha256(bytes(data)).hexdigest()
+    assert str(e.value).startswith(f"{path}: the training checkpoint's SHA-256 is {got}, not the {meta['state_sha256']} recorded")
+    assert f"Delete {ckpt.dir} and rerun" in str(e.value)
+    (ckpt.dir / "progress.json").write_text(json.dumps({"step": 8}))  # an earlier version's: no hash to check
+    assert ckpt.load()["step"] == 8

@@ -267,8 +267,9 @@ def test_incomplete_outputs_are_those_a_killed_snakemake_left(tmp_path):
     (tmp_path / "Snakefile").write_text(
         'rule all:\n    input: "a.txt", "b.txt"\n'
         'rule a:\n    output: "a.txt"\n    shell: "echo a > {output}"\n'
-        'rule b:\n    input: "a.txt"\n    output: "b.txt"\n    shell: "echo b > {output}; sleep 120"\n'
-    )
+        'rule b:\n    input: "a.txt"\n    output: b="b.txt", d=directory("d")\n'
+        '    shell: "mkdir -p {output.d}; echo b > {output.b}; sleep 120"\n'
+    )  # a folder output as training's drafter
     snake = subprocess.Popen(
         [sys.executable, "-m", "snakemake", "-c1", "-s", "Snakefile"], cwd=tmp_path, start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -285,7 +286,7 @@ def test_incomplete_outputs_are_those_a_killed_snakemake_left(tmp_path):
         dag = wf.dag(DAGSettings(force_incomplete=True))
         dag.execute_workflow(executor="local", pseudo_executor="dryrun", execution_settings=ExecutionSettings(lock=False))
         assert {j.rule.name for j in wf._workflow.dag.needrun_jobs(exclude_finished=False)} == {"a", "b", "all"}
-        assert incomplete_outputs(wf._workflow) == {"b.txt"}
+        assert incomplete_outputs(wf._workflow) == {"b.txt", "d"}
 
 
 def test_a_target_the_engine_cannot_take_stops_the_run_before_any_job(tmp_path, target_dir):

@@ -128,11 +128,11 @@ class ChunkStore:
 
     def keep(self, outputs: Sequence[str | os.PathLike]) -> None:
         """Hard-link each of ``outputs`` into the store as ``finished-<name>`` (no copy: the same
-        bytes and inode), for a rerun's :meth:`take_finished`; an earlier link of that name is replaced."""
+        bytes and inode; a folder as a tree of links to its files), for a rerun's
+        :meth:`take_finished`; an earlier one of that name is replaced."""
         for p in outputs:
             dest = self.dir / f"finished-{Path(p).name}"
-            dest.unlink(missing_ok=True)
-            os.link(p, dest)
+            _link(p, dest)
 
     def take_finished(self, outputs: Sequence[str | os.PathLike]) -> bool:
         """Put back the outputs a job of this store finished after its snakemake ended (:meth:`finish`).
@@ -145,12 +145,65 @@ class ChunkStore:
             False when this job has to do the work.
         """
         kept = [self.dir / f"finished-{Path(p).name}" for p in outputs]
-        if not all(k.is_file() for k in kept):
+        if not all(k.exists() for k in kept):
             return False
         for k, p in zip(kept, outputs, strict=True):
-            Path(p).unlink(missing_ok=True)
-            os.link(k, p)
+            _link(k, p)
         return True
+
+
+def _link(src: str | os.PathLike, dest: str | os.PathLike) -> None:
+    """Make ``dest`` a hard link of the file ``src``, or of a folder a tree of hard links to its
+    files, replacing what ``dest`` held."""
+    dest = Path(dest)
+    if dest.is_dir() and not dest.is_symlink():
+        shutil.rmtree(dest)
+    else:
+        dest.unlink(missing_ok=True)
+    if Path(src).is_dir():
+        shutil.copytree(src, dest, copy_function=os.link)
+    else:
+        os.link(src, dest)
+
+
+def take_back_kept(outputs: Sequence[str | os.PathLike], record: str | os.PathLike, fingerprint: str, check) -> dict | None:
+    """The record of outputs a job finished although its snakemake was killed before it saw the
+    job end, put back in place from the store the rerun's ``onstart`` hook kept them in
+    (:func:`eagle3_pipeline.shard_job.keep_for_rerun`) before Snakemake deleted them as incomplete.
+
+    Args:
+        outputs: the job's outputs but its record (files or folders), the main one first.
+        record: the record the job writes last; it names the job's ``fingerprint``.
+        fingerprint: this job's; a store kept under another (changed inputs or settings) is discarded.
+        check: called once they are back; raises :class:`eagle3_pipeline.io.InputError` when their
+            bytes are not the ones their job recorded (then they are removed and the work is done again).
+
+    Returns:
+        the record, or None when this job has to do the work. The store is removed either way.
+    """
+    from .io import InputError, read_json
+
+    if not ChunkStore.dir_for(outputs[0]).is_dir():
+        return None
+    store = ChunkStore(outputs[0], fingerprint, ".kept")
+    finished = [*outputs, record]
+    try:
+        if not store.take_finished(finished):
+            return None
+        try:
+            check()
+        except InputError as e:
+            logger.warning("not taking back the kept outputs: %s; doing this job's work again", e)
+            for p in map(Path, finished):
+                if p.is_dir():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink(missing_ok=True)
+            return None
+        logger.info("%s: finished by this job after its snakemake ended; taken back from %s", outputs[0], store.dir)
+        return read_json(record)
+    finally:
+        store.remove()
 
 
 def ancestors() -> list[tuple[int, float]]:

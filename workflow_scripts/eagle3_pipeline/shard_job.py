@@ -225,7 +225,9 @@ def run_shard_job(job: ShardJob, *, host_lock_enabled: bool = True) -> dict:
     return record
 
 
-def keep_for_rerun(outputs: Sequence[str], record: str, record_hash_keys: tuple[str, str] = ("sha256", "stat")) -> bool:
+def keep_for_rerun(
+    outputs: Sequence[str], record: str, record_hash_keys: tuple[str, str] = ("sha256", "stat"), check: Callable[[], object] | None = None
+) -> bool:
     """Keep a finished shard job's outputs for the rerun that Snakemake is about to start of it.
 
     Snakemake marks a job's outputs incomplete when the job starts and clears the mark when it
@@ -241,6 +243,9 @@ def keep_for_rerun(outputs: Sequence[str], record: str, record_hash_keys: tuple[
         outputs: the job's outputs but its record, the main one first (:attr:`ShardJob.outputs`).
         record: the record the job writes last (:attr:`ShardJob.record`).
         record_hash_keys: the record's keys of the main output's SHA-256 and stat.
+        check: instead of that, what checks the outputs' bytes against their job's record (raising
+            :class:`InputError`), e.g. for training's drafter folder and its record of files; the
+            job takes them back with :func:`eagle3_pipeline.resume.take_back_kept`.
 
     Returns:
         True when they were kept; False when the record is missing or unreadable, an output is
@@ -250,10 +255,10 @@ def keep_for_rerun(outputs: Sequence[str], record: str, record_hash_keys: tuple[
         rec = read_json(record)
     except (OSError, ValueError):
         return False
-    if not isinstance(rec, dict) or not rec.get("fingerprint") or not all(Path(p).is_file() for p in outputs):
+    if not isinstance(rec, dict) or not rec.get("fingerprint") or not all(Path(p).exists() for p in outputs):
         return False
     try:
-        recorded_sha256(outputs[0], record, *record_hash_keys)
+        check() if check is not None else recorded_sha256(outputs[0], record, *record_hash_keys)
     except InputError as e:
         logger.warning("not keeping %s for its rerun: %s", outputs[0], e)
         return False

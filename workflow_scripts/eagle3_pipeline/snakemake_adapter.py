@@ -21,6 +21,7 @@ here, and nowhere else, so that a change of Snakemake's internals fails in one p
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import re
 import sys
@@ -153,11 +154,11 @@ def made_by_snakemake(workflow) -> Callable[[str], bool]:
 
 def keep_incomplete_finished_shards(workflow, jobs: list[dict]) -> list[str]:
     """The ``onstart`` hook's step (:func:`on_start`; ``jobs`` as :func:`needrun_jobs` lists them)
-    for the shard jobs a killed snakemake left marked incomplete
-    although they had finished: each generation or extraction job whose outputs are all marked
-    (:func:`incomplete_outputs`) and whose record names their bytes gets them kept for its rerun
-    (:func:`eagle3_pipeline.shard_job.keep_for_rerun`), which takes them back instead of doing the
-    work again. Runs before Snakemake deletes those outputs. ``--forcerun`` and changed code or
+    for the jobs a killed snakemake left marked incomplete
+    although they had finished: each generation, extraction or training job whose outputs are all
+    marked (:func:`incomplete_outputs`) and whose record names their bytes gets them kept for its
+    rerun (:func:`eagle3_pipeline.shard_job.keep_for_rerun`), which takes them back instead of
+    doing the work again (training: :func:`eagle3_pipeline.resume.take_back_kept`). Runs before Snakemake deletes those outputs. ``--forcerun`` and changed code or
     settings do not mark outputs incomplete, so such jobs still run.
 
     Returns:
@@ -165,27 +166,34 @@ def keep_incomplete_finished_shards(workflow, jobs: list[dict]) -> list[str]:
         the jobs then run again, as without this step).
     """
     from .generation import SUMMARY_HASH_KEYS, traces_summary_path
+    from .io import check_recorded_files
     from .shard_job import keep_for_rerun
     from .shards import INDEX_HASH_KEYS, shard_index_path
 
-    # per stage (its rule's first output is the main one): the record beside it, the record's keys of its bytes
-    stages = {"generate_traces": (traces_summary_path, SUMMARY_HASH_KEYS), "extract_hidden_states": (shard_index_path, INDEX_HASH_KEYS)}
+    # per stage (its rule's first output is the main one): its record among the outputs, the
+    # record's keys of the main output's bytes (training: the drafter folder's own record of files)
+    stages = {
+        "generate_traces": (lambda outs: str(traces_summary_path(outs[0])), SUMMARY_HASH_KEYS),
+        "extract_hidden_states": (lambda outs: str(shard_index_path(outs[0])), INDEX_HASH_KEYS),
+        "train_drafter": (lambda outs: next((o for o in outs if Path(o).name == "summary.json"), ""), None),
+    }
     try:
         marked = incomplete_outputs(workflow)
         jobs = [j for j in jobs if j["stage"] in stages and j["output"] and set(j["output"]) <= marked]
     except AttributeError as e:
-        print(f"(finished shards marked incomplete not looked for: {type(e).__name__}: {e})", file=sys.stderr)
+        print(f"(finished jobs marked incomplete not looked for: {type(e).__name__}: {e})", file=sys.stderr)
         return []
     kept = []
     for j in jobs:
         record_of, keys = stages[j["stage"]]
-        record = str(record_of(j["output"][0]))
+        record = record_of(j["output"])
         outputs = [o for o in j["output"] if o != record]
-        if record in j["output"] and keep_for_rerun(outputs, record, keys):
+        check = None if keys else functools.partial(check_recorded_files, outputs[0], exhaustive=True)
+        if record in j["output"] and keep_for_rerun(outputs, record, keys or ("sha256", "stat"), check=check):
             kept.append(outputs[0])
     if kept:
         print(
-            f"{len(kept)} shard job(s) had finished but their snakemake was killed before it saw them end; kept for their "
+            f"{len(kept)} job(s) had finished but their snakemake was killed before it saw them end; kept for their "
             "jobs, which take them back: " + ", ".join(kept),
             file=sys.stderr,
         )

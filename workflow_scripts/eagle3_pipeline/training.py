@@ -14,6 +14,7 @@ accelerator and reads a different on-disk format.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -29,9 +30,9 @@ import torch
 from torch.profiler import record_function
 
 from .conventions import drafter_aux_columns, prompt_of, repetition_loop
-from .io import InputError, atomic_dir, record_files, sha256_file, sha256_json, write_text_atomic
+from .io import InputError, atomic_dir, check_recorded_files, record_files, sha256_file, sha256_json, write_text_atomic
 from .layout import CHECKPOINT_DIR
-from .resume import finished_by_another_job
+from .resume import finished_by_another_job, take_back_kept
 from .runtime import Timer, progress
 from .shards import ShardReader
 from .vocab import load_mapping
@@ -624,6 +625,8 @@ class TrainCheckpoint:
     Holds model, optimizer and scheduler states, step, position in the epoch, RNG state
     and the metrics so far (``torch.save`` of a dict), under a fingerprint of the run's
     inputs and settings; a checkpoint with another fingerprint is ignored and replaced.
+    ``progress.json`` beside it records the SHA-256 of ``state.pt``, taken while it is written,
+    which a resume checks before it loads the state.
     """
 
     def __init__(self, directory: Path, fingerprint: str):
@@ -634,15 +637,25 @@ class TrainCheckpoint:
         """The saved state, or None when there is none or it belongs to other inputs or settings.
 
         Raises:
-            InputError: ``state.pt`` exists but cannot be read (truncated or damaged after it was
-                saved); the message names it and says to delete the checkpoint folder, which
-                restarts this training from step 0.
+            InputError: ``state.pt`` exists but its bytes differ from the SHA-256 recorded when it
+                was saved, or it cannot be read (truncated or damaged after it was saved); the
+                message names it and says to delete the checkpoint folder, which restarts this
+                training from step 0.
         """
         path = self.dir / "state.pt"
         if not path.is_file():
             if (self.dir / "progress.json").is_file():
                 logger.warning("%s has progress.json but no state.pt: training starts from step 0", self.dir)
             return None
+        try:
+            recorded = json.loads((self.dir / "progress.json").read_text(encoding="utf-8")).get("state_sha256")
+        except (OSError, ValueError, AttributeError):
+            recorded = None  # an earlier version's checkpoint, or no progress.json: loaded unchecked
+        if recorded is not None and (got := sha256_file(path)) != recorded:
+            raise InputError(
+                f"{path}: the training checkpoint's SHA-256 is {got}, not the {recorded} recorded in progress.json when it "
+                f"was saved: it was changed after. Delete {self.dir} and rerun: this training starts again from step 0"
+            )
         try:
             state = torch.load(path, weights_only=False)
         except Exception as e:  # torch raises RuntimeError, EOFError, UnpicklingError... for a damaged file
@@ -660,11 +673,27 @@ class TrainCheckpoint:
 
         ``progress.json`` holds ``step``, ``total_steps``, ``epoch`` and ``tokens_seen`` from
         ``state`` (what :func:`eagle3_pipeline.resume.kept_work` reports after an interrupted
-        run, without loading the tensors).
+        run, without loading the tensors) and ``state_sha256``, the SHA-256 of the bytes
+        ``torch.save`` wrote, which :meth:`load` checks.
         """
+
+        class HashingFile:  # what torch.save writes, hashed on its way to the file
+            def __init__(self, f):
+                self.f, self.sha = f, hashlib.sha256()
+
+            def write(self, data) -> int:
+                self.sha.update(data)
+                return self.f.write(data)
+
+            def flush(self) -> None:
+                self.f.flush()
+
         with atomic_dir(self.dir) as tmp:
-            torch.save({**state, "fingerprint": self.fingerprint}, tmp / "state.pt")
+            with open(tmp / "state.pt", "wb") as f:
+                out = HashingFile(f)
+                torch.save({**state, "fingerprint": self.fingerprint}, out)
             meta = {k: state.get(k) for k in ("step", "total_steps", "epoch", "tokens_seen")}
+            meta["state_sha256"] = out.sha.hexdigest()
             (tmp / "progress.json").write_text(json.dumps(meta) + "\n", encoding="utf-8")
 
     def remove(self) -> None:
@@ -681,7 +710,6 @@ def _train_fingerprint(shards: list[str], vocab_dir: str, target_path: str, cfg:
         InputError: a shard's bytes differ from its index's record, or a vocab file's from
             build_vocab_mapping's record.
     """
-    from .io import check_recorded_files
     from .shards import recorded_shard_sha256
     from .target_model import quick_identity
 
@@ -764,6 +792,11 @@ def train(
         shards, vocab_dir, target_path, {**cfg, "world_size": world, "loader_workers": None}, seed, max_seq_len
     )
     if summary_path is not None:
+        if ctx.rank == 0:  # outputs a killed snakemake's job finished, kept by the rerun's start (shard_job.keep_for_rerun)
+            take_back_kept(
+                [out_dir, metrics_path], summary_path, fingerprint, functools.partial(check_recorded_files, out_dir, exhaustive=True)
+            )
+        _barrier(ctx)
         done = finished_by_another_job(summary_path, [out_dir, metrics_path], fingerprint)
         if done is not None:
             return done
