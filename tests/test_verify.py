@@ -465,33 +465,27 @@ def test_a_run_whose_inputs_were_altered_stops_before_snakemake_deletes_anything
     assert {"build_vocab_mapping", "train_drafter", "evaluate_drafter"} <= set(jobs) and "prepare_prompts" not in jobs
 
 
-def test_an_edited_prompt_shard_is_refused_at_the_start_and_by_generation(tmp_path, caplog):
-    """prepare_prompts records each shard's SHA-256 in the prompts folder's .sha256.json; a shard
-    edited after it (its first character changed, as a user would) is named by the run's start
-    check and by generation's read, with both hashes and the --forcerun that remakes it; a shard
-    without a record (an earlier version's) is hashed with a warning."""
-    import hashlib
-
-    from eagle3_pipeline.io import FILES_RECORD, InputError, record_files, recorded_file_sha256
+def test_an_edited_prompt_shard_is_refused_at_the_start_and_by_generation(tmp_path):
+    """Each prompt's id is the hash of its messages (prepare_prompts' records, here through
+    build_prompt_set): a shard whose first prompt's text was changed, as a user would, is named
+    by the run's start check with its line and id, and by generation before any engine."""
+    from eagle3_pipeline.generation import run_generation_shard
+    from eagle3_pipeline.io import InputError
+    from eagle3_pipeline.prompts import build_prompt_set, edited_prompts, prompt_id
     from eagle3_pipeline.verify import recorded_input_problems
 
-    prompts = tmp_path / "prompts"
-    prompts.mkdir()
-    shards = [prompts / f"shard-0000{i}.jsonl" for i in range(2)]
-    for i, p in enumerate(shards):
-        p.write_text(json.dumps({"id": f"{i:016x}", "messages": [{"role": "user", "content": f"I need help {i}"}]}) + "\n")
-    record_files(prompts, [p.name for p in shards])
-    want = hashlib.sha256(shards[1].read_bytes()).hexdigest()
-    assert recorded_file_sha256(shards[1]) == want and recorded_input_problems([str(shards[1])]) == []
-    shards[1].write_text(shards[1].read_text().replace("I need", "Z need"))
-    (problem,) = recorded_input_problems([str(shards[1])])
-    assert problem.startswith(f"{shards[1]}:") and want in problem and f"--forcerun {shards[1]}" in problem
-    with pytest.raises(InputError) as e:
-        recorded_file_sha256(shards[1])
+    records = build_prompt_set([{"type": "builtin_sharegpt"}], turns="first", max_prompts=3).records
+    shard = tmp_path / "prompts" / "shard-00001.jsonl"
+    shard.parent.mkdir()
+    shard.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert all(r["id"] == prompt_id(r["messages"]) for r in records)  # the convention checked
+    assert edited_prompts(shard) is None and recorded_input_problems([str(shard)], [str(shard)]) == []
+    text = records[1]["messages"][0]["content"]
+    shard.write_text(shard.read_text().replace(json.dumps(text), json.dumps("Z" + text[1:]), 1))
+    (problem,) = recorded_input_problems([str(shard)], [str(shard)])
+    assert problem.startswith(f"{shard}:2: prompt {records[1]['id']!r} is not the hash of its messages (1 such record(s))")
+    assert f"--forcerun {shard}" in problem
+    assert recorded_input_problems([str(shard)]) == []  # not named as a prompt shard: not read
+    with pytest.raises(InputError) as e:  # before the target is looked at
+        run_generation_shard(str(shard), {}, str(tmp_path / "no-target"), {}, chunk_prompts=2)
     assert str(e.value) == problem
-    (prompts / "shard-00009.jsonl").write_text("{}\n")  # in the folder, not in its record
-    with pytest.raises(InputError, match=rf"shard-00009.jsonl: not among the files {re.escape(str(prompts / FILES_RECORD))} records"):
-        recorded_file_sha256(prompts / "shard-00009.jsonl")
-    (prompts / FILES_RECORD).unlink()
-    assert recorded_file_sha256(shards[1]) == hashlib.sha256(shards[1].read_bytes()).hexdigest()
-    assert f"{shards[1]}: no {FILES_RECORD} beside it; hashed, not checked against a record" in caplog.text

@@ -1,9 +1,8 @@
 """Rule prepare_prompts: sources -> canonical, deduplicated, decontaminated prompt shards."""
 
 import logging
-from pathlib import Path
 
-from eagle3_pipeline.io import record_files, write_json_atomic, write_jsonl_atomic
+from eagle3_pipeline.io import write_json_atomic, write_jsonl_atomic
 from eagle3_pipeline.prompts import Decontaminator, build_prompt_set, load_eval_questions, split_shards
 from eagle3_pipeline.runtime import start_log
 
@@ -20,8 +19,6 @@ if __name__ == "__main__":
     write_jsonl_atomic(sm.output.rejects, (r.as_dict() for r in ps.rejects))
     for path, recs in zip(sm.output.shards, shards, strict=True):
         write_jsonl_atomic(path, recs)
-    # what generation (and the run's start) checks before it reads a shard (io.recorded_file_sha256)
-    record_files(Path(sm.output.shards[0]).parent, [Path(p).name for p in sm.output.shards])
     summary = ps.summary() | {"shards": [len(s) for s in shards]}
     write_json_atomic(sm.output.summary, summary)
     logging.getLogger("prepare_prompts").info("prompts: %s", summary)

@@ -23,7 +23,7 @@ from .conventions import answer_id, prompt_of, repetition_loop
 from .io import InputError, sha256_json
 from .layout import pids_of, summary_beside
 from .plan import COMPLETION_FILL
-from .prompts import Reject
+from .prompts import Reject, edited_prompts
 from .runtime import Timer, progress
 
 logger = logging.getLogger(__name__)
@@ -822,7 +822,8 @@ def run_generation_shard(
         the summary written to ``out["summary"]``.
 
     Raises:
-        InputError: the prompt shard's bytes differ from prepare_prompts' record of them, every
+        InputError: a prompt of the shard was edited after prepare_prompts wrote it (its id is not
+            its messages' hash: :func:`eagle3_pipeline.prompts.edited_prompts`), every
             prompt of the shard was rejected, the installed vLLM cannot draft
             for the target with EAGLE-3 (:func:`eagle3_pipeline.engine.check_eagle3_target`), or
             its tokenizer cannot render a chat prompt (:func:`eagle3_pipeline.target_model.tokenizer_problem`).
@@ -831,21 +832,22 @@ def run_generation_shard(
     """
     from .config import result_settings
     from .engine import check_eagle3_target
-    from .io import file_stat, read_jsonl, recorded_file_sha256, sha256_file, sha256_json, write_jsonl_atomic
+    from .io import file_stat, read_jsonl, sha256_file, sha256_json, write_jsonl_atomic
     from .shard_job import ShardJob, ShardRun, run_shard_job
     from .target_model import model_fingerprint, tokenizer_problem
 
+    if (edited := edited_prompts(prompts_path)) is not None:  # each id is its messages' hash, as prepare_prompts wrote it
+        raise InputError(edited)
     # the first stage fails for a target the evaluation's vLLM could not draft for, not the last
     check_eagle3_target(target, params["trust_remote_code"], params["max_seq_len"])
     if (why := tokenizer_problem(target, params["trust_remote_code"])) is not None:
         raise InputError(why)
-    prompts_sha256 = recorded_file_sha256(prompts_path)  # the bytes prepare_prompts wrote, or an error naming the shard
     records = sorted(read_jsonl(prompts_path), key=lambda r: r["id"])
     model = {"path": target, "fingerprint": model_fingerprint(target)}
     # runtime settings (data-parallel layout, ...) do not change the traces: a resume may use
     # others; the chunk size is the fingerprint's own (it defines the chunks)
     fp_params = {**params} | {sec: result_settings(params, sec) for sec in ("generation", "vllm")}
-    fingerprint = sha256_json({"prompts": prompts_sha256, "model": model, "params": fp_params, "chunk": chunk_prompts})
+    fingerprint = sha256_json({"prompts": sha256_file(prompts_path), "model": model, "params": fp_params, "chunk": chunk_prompts})
     vcfg = params["vllm"]
 
     def assemble(run: ShardRun) -> dict:

@@ -326,28 +326,6 @@ def recorded_sha256(path: str | os.PathLike, record: str | os.PathLike, sha_key:
     return checked_sha256(path, m.get(sha_key), m.get(stat_key), str(rec))
 
 
-def recorded_file_sha256(path: str | os.PathLike) -> str:
-    """The SHA-256 of ``path`` that its producer recorded in its folder's record of files
-    (:func:`record_files`, e.g. prepare_prompts' for each prompt shard), checked by
-    :func:`checked_sha256`; hashed without a check (logged) when the folder has no record
-    (written by an earlier version, or brought from elsewhere).
-
-    Raises:
-        InputError: the file's bytes differ from the record, or the record does not list it.
-    """
-    p = Path(path)
-    rec = p.parent / FILES_RECORD
-    if not rec.is_file():
-        import logging
-
-        logging.getLogger(__name__).warning("%s: no %s beside it; hashed, not checked against a record", p, rec.name)
-        return sha256_file(p)
-    r = read_record(rec, p).get(p.name)
-    if not isinstance(r, dict):
-        raise InputError(f"{p}: not among the files {rec} records; {remake_hint(p)}")
-    return checked_sha256(p, r.get("sha256"), r.get("stat"), str(rec))
-
-
 #: A directory's record of the files its producer wrote (:func:`record_files`): a dot-file, which
 #: the run manifest's directory hashes and vLLM's loader leave out.
 FILES_RECORD = ".sha256.json"

@@ -358,6 +358,31 @@ def prompt_id(messages: list[dict]) -> str:
     return sha256_json(messages)[:16]
 
 
+def edited_prompts(path: str | Path) -> str | None:
+    """What shows a prompt shard (``prompts/shard-NNNNN.jsonl``) was edited after prepare_prompts
+    wrote it, or None: every record's ``id`` is :func:`prompt_id` of its ``messages``, so a
+    record whose id is not is one whose messages changed (or an id changed by hand).
+
+    Returns:
+        one line naming the file, the first such record's line and id, how many there are, and
+        how to remake the shard; None when every id matches.
+    """
+    from .io import read_jsonl, remake_hint
+
+    bad = [
+        (n, r.get("id"))
+        for n, r in enumerate(read_jsonl(path), start=1)
+        if not isinstance(r, dict) or r.get("id") != prompt_id(r.get("messages"))
+    ]
+    if not bad:
+        return None
+    n, pid = bad[0]
+    return (
+        f"{path}:{n}: prompt {pid!r} is not the hash of its messages ({len(bad)} such record(s)): the shard was edited after "
+        f"prepare_prompts wrote it, and its traces would not be its prompts'; {remake_hint(path)}"
+    )
+
+
 # --------------------------------------------------------------------------- decontamination
 
 

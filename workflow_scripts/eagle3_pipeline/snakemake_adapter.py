@@ -292,7 +292,8 @@ def check_pending_inputs(jobs: list[dict], made_here: Callable[[str], bool] | No
 
     remade = {o for j in jobs for o in j["output"]}
     inputs = sorted({f for j in jobs for f in j["input"] if not any(str(q) in remade for q in (Path(f), *Path(f).parents))})
-    problems = recorded_input_problems(inputs)
+    prompt_shards = [f for j in jobs if j.get("stage") == "generate_traces" for f in j.get("named_input", {}).get("prompts", [])]
+    problems = recorded_input_problems(inputs, prompt_shards)
     if problems:
         raise WorkflowError(
             f"{len(problems)} input file(s) of pending jobs differ from what their producers recorded; nothing was "

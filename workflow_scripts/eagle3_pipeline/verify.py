@@ -75,7 +75,7 @@ def _check_hidden_shard(path: Path, hasher: Hasher) -> list[str]:
     return problems
 
 
-def recorded_input_problems(paths: Iterable[str | os.PathLike]) -> list[str]:
+def recorded_input_problems(paths: Iterable[str | os.PathLike], prompt_shards: Iterable[str | os.PathLike] = ()) -> list[str]:
     """What is wrong with files stages are about to read, each checked against its producer's
     record as the stage that reads it checks it, so a run can refuse at its start, before
     Snakemake deletes the outputs of the jobs it reruns.
@@ -85,6 +85,9 @@ def recorded_input_problems(paths: Iterable[str | os.PathLike]) -> list[str]:
     files, or a file in one (:func:`eagle3_pipeline.io.check_recorded_files`: the vocabulary, a
     drafter). Each by :func:`eagle3_pipeline.io.checked_sha256`: a file unwritten since it was last
     hashed is not read again. Files without a record, and missing files, are left to their stage.
+    The prompt shards among ``paths`` (``prompt_shards``: generate_traces' ``prompts`` inputs)
+    are checked as generation checks them: each record's id is its messages' hash
+    (:func:`eagle3_pipeline.prompts.edited_prompts`).
 
     Returns:
         one line per problem (the stage's own error message, naming the file, both hashes and what
@@ -93,12 +96,16 @@ def recorded_input_problems(paths: Iterable[str | os.PathLike]) -> list[str]:
     from .generation import recorded_traces_sha256
     from .io import FILES_RECORD, InputError, check_recorded_files
     from .layout import index_beside, summary_beside
+    from .prompts import edited_prompts
     from .shards import recorded_shard_sha256
 
-    problems, dirs = [], set()
+    problems, dirs, prompts = [], set(), {Path(p) for p in prompt_shards}
     for p in map(Path, paths):
         try:
-            if p.is_dir() or (p.is_file() and (p.parent / FILES_RECORD).is_file()):
+            if p in prompts:
+                if p.is_file() and (edited := edited_prompts(p)) is not None:
+                    problems.append(edited)
+            elif p.is_dir() or (p.is_file() and (p.parent / FILES_RECORD).is_file()):
                 d = p if p.is_dir() else p.parent
                 if d not in dirs and (d / FILES_RECORD).is_file():
                     dirs.add(d)
