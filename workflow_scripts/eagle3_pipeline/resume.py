@@ -166,42 +166,57 @@ def _link(src: str | os.PathLike, dest: str | os.PathLike) -> None:
         os.link(src, dest)
 
 
-def take_back_kept(outputs: Sequence[str | os.PathLike], record: str | os.PathLike, fingerprint: str, check) -> dict | None:
-    """The record of outputs a job finished although its snakemake was killed before it saw the
-    job end, put back in place from the store the rerun's ``onstart`` hook kept them in
-    (:func:`eagle3_pipeline.shard_job.keep_for_rerun`) before Snakemake deleted them as incomplete.
+def take_back(store: ChunkStore, outputs: Sequence[str | os.PathLike], record: str | os.PathLike, check) -> dict | None:
+    """The record of the outputs a job finished after its snakemake ended (or was killed before it
+    saw the job end), put back in place from ``store`` (:meth:`ChunkStore.take_finished`).
 
     Args:
+        store: the job's store, opened under its fingerprint.
         outputs: the job's outputs but its record (files or folders), the main one first.
-        record: the record the job writes last; it names the job's ``fingerprint``.
-        fingerprint: this job's; a store kept under another (changed inputs or settings) is discarded.
+        record: the record the job writes last.
         check: called once they are back; raises :class:`eagle3_pipeline.io.InputError` when their
-            bytes are not the ones their job recorded (then they are removed and the work is done again).
+            bytes are not the ones their job recorded: then they and the store are removed, and the
+            job does its work again.
 
     Returns:
-        the record, or None when this job has to do the work. The store is removed either way.
+        the record (the store removed), or None when nothing was kept (the store left as it is,
+        e.g. with a shard job's finished chunks) or the kept outputs were altered.
     """
     from .io import InputError, read_json
 
+    finished = [*outputs, record]
+    if not store.take_finished(finished):
+        return None
+    try:
+        check()
+    except InputError as e:
+        logger.warning("not taking back the kept outputs: %s; doing this job's work again", e)
+        for p in map(Path, finished):
+            if p.is_dir():
+                shutil.rmtree(p)
+            else:
+                p.unlink(missing_ok=True)
+        store.remove()
+        return None
+    logger.info("%s: finished by this job after its snakemake ended; taken back from %s", outputs[0], store.dir)
+    store.remove()
+    return read_json(record)
+
+
+def take_back_kept(outputs: Sequence[str | os.PathLike], record: str | os.PathLike, fingerprint: str, check) -> dict | None:
+    """:func:`take_back` for a job without a chunk store of its own (training): from the store the
+    rerun's ``onstart`` hook kept its outputs in (:func:`eagle3_pipeline.shard_job.keep_for_rerun`)
+    before Snakemake deleted them as incomplete. A store kept under another ``fingerprint``
+    (changed inputs or settings) is discarded; the store is removed either way.
+
+    Returns:
+        the record, or None when this job has to do the work.
+    """
     if not ChunkStore.dir_for(outputs[0]).is_dir():
         return None
     store = ChunkStore(outputs[0], fingerprint, ".kept")
-    finished = [*outputs, record]
     try:
-        if not store.take_finished(finished):
-            return None
-        try:
-            check()
-        except InputError as e:
-            logger.warning("not taking back the kept outputs: %s; doing this job's work again", e)
-            for p in map(Path, finished):
-                if p.is_dir():
-                    shutil.rmtree(p)
-                else:
-                    p.unlink(missing_ok=True)
-            return None
-        logger.info("%s: finished by this job after its snakemake ended; taken back from %s", outputs[0], store.dir)
-        return read_json(record)
+        return take_back(store, outputs, record, check)
     finally:
         store.remove()
 

@@ -37,7 +37,7 @@ from .hygiene import check_gpus_free, cleanup_stale_processes, host_lock
 from .io import InputError, read_json, recorded_sha256, write_json_atomic
 from .layout import pids_of
 from .parallel import replica_stats, run_replicas
-from .resume import ChunkStore, ancestors, chunk_ranges, finished_by_another_job, todo_chunks
+from .resume import ChunkStore, ancestors, chunk_ranges, finished_by_another_job, take_back, todo_chunks
 from .runtime import Timer, peak_memory
 
 logger = logging.getLogger(__name__)
@@ -304,19 +304,6 @@ def balance_warning(ranges: Sequence[tuple[int, int]], todo: Sequence[int], repl
 
 def _take_back(job: ShardJob, store: ChunkStore) -> dict | None:
     """The record of the outputs this shard's job finished after its snakemake ended, put back in
-    place (:meth:`ChunkStore.take_finished`) when the main output's bytes are the ones it recorded;
+    place when the main output's bytes are the ones it recorded (:func:`eagle3_pipeline.resume.take_back`);
     None when there are none, or they were altered (then they and the store are removed)."""
-    finished = [*job.outputs, job.record]
-    if not store.take_finished(finished):
-        return None
-    try:  # the bytes its job recorded (hard links: unchanged unless altered since)
-        recorded_sha256(job.outputs[0], job.record, *job.record_hash_keys)
-    except InputError as e:
-        logger.warning("not taking back the kept output: %s; doing this shard's work again", e)
-        for p in finished:
-            Path(p).unlink(missing_ok=True)
-        store.remove()
-        return None
-    logger.info("%s: finished by this shard's job after its snakemake ended; taken back from %s", job.outputs[0], store.dir)
-    store.remove()
-    return read_json(job.record)
+    return take_back(store, job.outputs, job.record, functools.partial(recorded_sha256, job.outputs[0], job.record, *job.record_hash_keys))
