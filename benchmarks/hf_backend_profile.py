@@ -25,6 +25,10 @@ tokens (the range of ``vs_speculators.py``'s ShareGPT samples), and times on the
   extracted; ``batch_writer``, as the job does now (``hf_backend.prefill_batches`` and
   ``BatchWriter``): each batch written straight from its pinned buffer while the GPU computes
   the next, with the writer's figures;
+* ``cold_job_bt<N>`` and ``second_job_bt<N>`` (``--cold DIR``, which runs nothing else): the
+  ``batch_writer`` job as the process's first GPU work after the model's build, then the same job
+  again, with each batch's shape and main-thread seconds: what a process's first batches cost
+  (CUDA set-up), to be run under the variables of ``COLD_START_ENV`` and in a second process;
 * ``packed_<attn>`` (``--packed sdpa flex_attention``): the decoder over padding-free rows of up
   to ``batch_tokens`` tokens, samples back to back with positions restarting at 0, which
   transformers masks per sample in that attention implementation (flex attention skips the
@@ -41,6 +45,7 @@ Run (GPU host: host torch and transformers suffice; CPU: ``--tiny``, a test-size
 
     python benchmarks/hf_backend_profile.py --out benchmarks/results/hf_backend_profile_h200.json --profile --compile --packed sdpa flex_attention
     python benchmarks/hf_backend_profile.py --out writes.json --batch-tokens 8192 --writes /tmp/hfw   # the job's writes, before/after
+    python benchmarks/hf_backend_profile.py --out cold.json --samples 512 --batch-tokens 8192 --cold /tmp/hfc   # a process's first batches
     .venv/bin/python benchmarks/hf_backend_profile.py --tiny --samples 6 --min-len 40 --max-len 90 --batch-tokens 256 --profile --packed sdpa   # CPU
 
 On a CPU the kernel classes are empty (no device events) and MFU is against ``--peak-tflops``, a GPU's.
@@ -50,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -62,6 +68,9 @@ sys.path.insert(0, str(ROOT / "workflow_scripts"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import phases  # noqa: E402
+
+#: Variables that change a process's first CUDA work, recorded by ``--cold`` (run it under each)
+COLD_START_ENV = ("CUDA_MODULE_LOADING", "PYTORCH_CUDA_ALLOC_CONF")
 
 #: Llama-3.1-8B's shape (vs_speculators.py's target); ``--tiny``: a 2-core CPU's
 SHAPES = {
@@ -233,12 +242,16 @@ def host_copy(batch_tokens: int, layers: int, hidden: int, rounds: int = 3) -> d
     }
 
 
-def job_writes(model, samples, layer_ids: list[int], batch_tokens: int, folder: Path, way: str, chunk: int = 64) -> dict:
+def job_writes(
+    model, samples, layer_ids: list[int], batch_tokens: int, folder: Path, way: str, chunk: int = 64, per_batch: bool = False
+) -> dict:
     """The extraction job's loop over ``samples`` in chunks of ``chunk``, its states written into a
     fresh shard in ``folder``: ``per_chunk`` (the job before ``BatchWriter``: ``extract_hf`` per
     chunk, one chunk written by a thread while the next is extracted) or ``batch_writer`` (the job
     now). Returns seconds from the first forward to the last byte written (the shard created
-    before), and the writer's figures for ``batch_writer``."""
+    before), and the writer's figures for ``batch_writer``; ``per_batch`` (``batch_writer``): also
+    ``batches``, each batch's ``[rows, longest sample's tokens, main-thread seconds]`` (from the
+    previous batch handed to the writer to this one)."""
     import shutil
     from concurrent.futures import ThreadPoolExecutor
 
@@ -274,10 +287,16 @@ def job_writes(model, samples, layer_ids: list[int], batch_tokens: int, folder: 
                 pending.result()
         else:
             writer = BatchWriter(shard, store, rows, len(ranges))
+            trace, last = [], t
             for i, (a, b) in enumerate(ranges):
                 for hb in prefill_batches(model, samples[a:b], layer_ids, batch_tokens=batch_tokens, storage_dtype=torch.bfloat16):
                     writer.batch(hb, a)
+                    now = time.perf_counter()
+                    trace.append([len(hb.lengths), hb.lengths[0], round(now - last, 3)])
+                    last = now
                 writer.chunk_done(i, a, b)
+            if per_batch:
+                out["batches"] = trace
             writer.close()
             out["writer"] = {k: round(v, 3) if isinstance(v, float) else v for k, v in writer.stats.items()}
         seconds = time.perf_counter() - t
@@ -323,6 +342,17 @@ def measure(args, results: phases.Results) -> None:
             "tokens_per_second": round(tps, 1),
             "mfu": float(f"{tps * 2 * params / (args.peak_tflops * 1e12):.4g}"),
         }
+
+    if args.cold:  # before anything else has run a kernel in this process
+        bt = args.batch_tokens[0]
+        for name in ("cold_job", "second_job"):
+
+            def job() -> dict:
+                got = job_writes(model, samples, layer_ids, bt, Path(args.cold), "batch_writer", per_batch=True)
+                return rate(got.pop("seconds")) | got | {"env": {k: os.environ.get(k) for k in COLD_START_ENV}}
+
+            results.inline(f"{name}_bt{bt}", job)
+        return
 
     def timed(fn, warm_up) -> dict:
         warm_up()
@@ -433,6 +463,12 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="add a torch.profiler breakdown of extract_hf")
     ap.add_argument(
         "--writes", metavar="DIR", help="also time the extraction job's writes into a shard in DIR, before and after BatchWriter"
+    )
+    ap.add_argument(
+        "--cold",
+        metavar="DIR",
+        help="only: the job's loop (as --writes' batch_writer, shard in DIR) as the process's first GPU work, then again: "
+        "each batch's main-thread seconds and shape, and the variables of COLD_START_ENV",
     )
     ap.add_argument("--compile", action="store_true", help="also time the padded forward with the decoder under torch.compile")
     ap.add_argument(

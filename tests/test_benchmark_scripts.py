@@ -160,6 +160,21 @@ def test_all_hands_every_option_to_its_phases_the_tokenizer_included(tmp_path):
     assert {k: v for k, v in vars(phase).items() if k not in vs_speculators.NOT_FORWARDED} == same
 
 
+def test_the_vllm_backend_is_compared_with_prefill_warm_and_with_its_first_pass(monkeypatch):
+    monkeypatch.setattr(vs_speculators, "_params", lambda: 8_000_000_000)
+    res = {
+        "prefill": {"tokens_per_second": 40000.0, "first_pass": {"tokens_per_second": 36000.0}},
+        "ours_vllm": {"tokens_per_second": 38000.0},
+    }
+    ratios = vs_speculators.summarize(res)["ratios"]
+    assert ratios == {
+        "ours_vllm / vllm prefill only (goal >= 0.97)": pytest.approx(0.95),
+        "ours_vllm / vllm prefill only, its first pass": pytest.approx(38000 / 36000),
+    }
+    del res["prefill"]["first_pass"]  # results from before the first pass was timed
+    assert list(vs_speculators.summarize(res)["ratios"]) == ["ours_vllm / vllm prefill only (goal >= 0.97)"]
+
+
 #: Logs step records as ``speculators train`` 0.9 does (its own logging setup and its trainer's record), one
 #: step per (tokens, seconds) in argv[1] (JSON), to stdout as in a phase's log.
 SPECULATORS_STEP_LOG = """
@@ -389,6 +404,38 @@ def test_the_hf_backend_profile_runs_as_documented_at_a_tiny_shape(tmp_path):
         assert w["bytes"] == tokens * 4 * 256 * 2 and w["batches"] == len(make_batches(lengths, 256))
         assert m[f"writes_per_chunk_bt256_{turn}"]["tokens_per_second"] > 0
     assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.processes
+def test_the_hf_backend_profile_cold_mode_times_each_batch_of_two_jobs(tmp_path):
+    """--cold runs the job's loop twice and nothing else: each job lists make_batches' batches (rows,
+    longest sample) with main-thread seconds that add up to no more than the job, wrote every token
+    once, and records the cold-start variables it ran under."""
+    import numpy as np
+
+    out = tmp_path / "c.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/hf_backend_profile.py"), "--tiny", "--samples", "6", "--min-len", "40",
+           "--max-len", "90", "--batch-tokens", "256", "--cold", str(tmp_path / "c"), "--out", str(out)]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"} | {"CUDA_MODULE_LOADING": "EAGER"}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = json.loads(out.read_text())["phases"]
+    assert set(m) == {"setup", "cold_job_bt256", "second_job_bt256"}
+    rng = np.random.default_rng(0)
+    lengths = []
+    for _ in range(6):  # make_samples' draws
+        lengths.append(int(rng.integers(40, 91)))
+        rng.integers(0, 4096, size=lengths[-1])
+    from eagle3_pipeline.hf_backend import make_batches
+
+    want = [[len(b), lengths[b[0]]] for b in make_batches(lengths, 256)]
+    for k in ("cold_job_bt256", "second_job_bt256"):
+        job = m[k]
+        assert [b[:2] for b in job["batches"]] == want
+        assert 0 < sum(b[2] for b in job["batches"]) <= job["seconds"] + 1e-3
+        assert job["writer"]["bytes"] == sum(lengths) * 4 * 256 * 2
+        assert job["env"] == {"CUDA_MODULE_LOADING": "EAGER", "PYTORCH_CUDA_ALLOC_CONF": None}
+    assert not (tmp_path / "c").exists()
 
 
 @pytest.mark.processes
