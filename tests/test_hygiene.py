@@ -188,6 +188,28 @@ def test_a_ctrl_c_ends_a_job_with_one_line_not_tracebacks(tmp_path, interrupt):
         assert "Traceback" in r.stderr and "ValueError: a real error" in r.stderr
 
 
+def test_bad_input_ends_a_job_with_its_message_not_a_traceback():
+    """An InputError (the user's to fix) that ends a job is logged as its message and notes; the exit
+    status stays 1, so Snakemake still sees the job fail."""
+    code = f"""
+    import sys
+    sys.path.insert(0, {str(Path(__file__).resolve().parents[1] / "workflow_scripts")!r})
+    from eagle3_pipeline.runtime import start_log
+    from eagle3_pipeline.prompts import split_shards
+    start_log(None)
+    try:
+        split_shards([{{"id": "a"}}], 3)
+    except ValueError as e:
+        e.add_note("while splitting prompts")
+        raise
+    """
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.splitlines()
+    assert lines[0].endswith("ERROR eagle3_pipeline: 1 prompt cannot fill 3 shards; lower prompts.num_shards to at most 1")
+    assert lines[1:] == ["while splitting prompts"]
+
+
 def test_git_holds_no_run_output():
     """Runs write under results/, logs/ and resources/ (ignored); benchmarks/ in git is scripts,
     their README and recorded figures only."""

@@ -556,7 +556,8 @@ def split_shards(records: list[dict], num_shards: int) -> list[list[dict]]:
         InputError: fewer records than shards (a shard would be empty).
     """
     if len(records) < num_shards:
-        raise InputError(f"{len(records)} prompts cannot fill {num_shards} shards; lower prompts.num_shards")
+        n = len(records)
+        raise InputError(f"{n} prompt{'' if n == 1 else 's'} cannot fill {num_shards} shards; lower prompts.num_shards to at most {n}")
     base, extra = divmod(len(records), num_shards)
     out, start = [], 0
     for i in range(num_shards):

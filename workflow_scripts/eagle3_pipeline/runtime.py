@@ -41,8 +41,13 @@ def interrupted_line(exc: BaseException) -> str:
 
 
 def _excepthook(kind, value, tb) -> None:
+    from .io import InputError
+
     if _interrupted:
         logger.error(interrupted_line(value))
+        return
+    if issubclass(kind, InputError):  # the user's to fix: the message says where and what to do
+        logger.error("\n".join([str(value), *getattr(value, "__notes__", [])]))
         return
     sys.__excepthook__(kind, value, tb)
 
@@ -50,7 +55,10 @@ def _excepthook(kind, value, tb) -> None:
 def handle_interrupts() -> None:
     """A Ctrl-C ends this job with one log line (:func:`interrupted_line`), not the tracebacks of
     whatever was running: the SIGINT handler records it, and an exception that ends the process
-    after it is reported in one line. Called by :func:`start_log` and :func:`start_replica_log`."""
+    after it is reported in one line. An :class:`eagle3_pipeline.io.InputError` that ends the
+    process (bad input, whose message names the file or setting and what to do) is logged as its
+    message and notes alone, without the traceback that would bury it; any other error keeps its
+    traceback. Called by :func:`start_log` and :func:`start_replica_log`."""
     global _interrupted
     _interrupted = False
     signal.signal(signal.SIGINT, _on_sigint)
