@@ -199,6 +199,34 @@ def test_build_prompt_set_dedups_rejects_and_decontaminates(tmp_path):
     assert ps.summary()["read"] == 5 and ps.summary()["rejected"] == 4
 
 
+def test_a_records_own_id_is_kept_in_its_source_not_as_its_id(tmp_path):
+    """A prompt's id is the hash of its messages; a file record's own ``id`` (string or integer) is
+    appended to its source, in the kept records and in the rejects, in JSONL and in a JSON array."""
+    msgs = [{"role": "user", "content": "What is a monad?"}]
+    p = tmp_path / "p.jsonl"
+    p.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in (
+                {"id": "q-17", "messages": msgs},
+                {"id": 18, "messages": msgs},  # a duplicate: its reject names both
+                {"id": "", "messages": [{"role": "user", "content": "no own id"}]},
+                {"id": True, "messages": [{"role": "user", "content": "nor this"}]},
+            )
+        )
+        + "\n"
+    )
+    a = tmp_path / "a.json"
+    a.write_text(json.dumps([{"id": 7, "messages": [{"role": "user", "content": "from an array"}]}]))
+    ps = build_prompt_set([{"type": "file", "path": str(p)}, {"type": "file", "path": str(a)}])
+    by_text = {r["messages"][0]["content"]: r for r in ps.records}
+    assert by_text["What is a monad?"] == {"id": prompt_id(msgs), "messages": msgs, "source": f"{p}:1 (id q-17)"}
+    assert by_text["no own id"]["source"] == f"{p}:3" and by_text["nor this"]["source"] == f"{p}:4"
+    assert by_text["from an array"]["source"] == f"{a}[0] (id 7)"
+    (dup,) = ps.rejects
+    assert (dup.source, dup.reason) == (f"{p}:2 (id 18)", "duplicate") and f"{p}:1 (id q-17)" in dup.detail
+
+
 def test_zero_usable_prompts_is_a_clear_error(tmp_path):
     p = tmp_path / "p.jsonl"
     p.write_text(json.dumps({"messages": [{"role": "user", "content": " "}]}) + "\n")

@@ -6,7 +6,9 @@ A canonical record is ``{"id", "messages", "source"}``:
   ending with a user turn (the turn the target will answer);
 * ``id``: the first 16 hex digits of the SHA-256 of the canonical JSON of ``messages``,
   so the same prompt gets the same id in every run and from every source;
-* ``source``: where it came from (``"sharegpt:<conversation id>"``, ``"<file>:<line>"``).
+* ``source``: where it came from (``"sharegpt:<conversation id>"``, ``"<file>:<line>"``, or
+  ``"<file>[<index>]"`` in a JSON array), followed by `` (id <its id>)`` where a file's record has
+  an ``id`` of its own: that id does not identify the prompt (the content hash does), so it is kept here.
 
 Every record dropped on the way is written to a rejects file with its reason; nothing
 is dropped silently.
@@ -193,6 +195,15 @@ def _iter_jsonl_records(path: Path) -> Iterator[tuple[int, object]]:
                 yield lineno, RecordError("bad_json", f"{json_error_detail(e)}; fix or remove the line")
 
 
+def _with_own_id(where: str, obj: object) -> str:
+    """``where`` followed by `` (id <id>)`` where the record has an ``id`` of its own (a string or
+    an integer), which the canonical record's content-hash ``id`` replaces."""
+    own = obj.get("id") if isinstance(obj, dict) else None
+    if isinstance(own, bool) or not isinstance(own, str | int) or own == "":
+        return where
+    return f"{where} (id {own})"
+
+
 def _load_source_records(source: dict) -> Iterator[tuple[str, object]]:
     """Yield ``(source label, raw record | RecordError)`` for one configured source."""
     kind = source["type"]
@@ -209,10 +220,10 @@ def _load_source_records(source: dict) -> Iterator[tuple[str, object]]:
             )
         if path.suffix == ".jsonl":
             for lineno, obj in _iter_jsonl_records(path):
-                yield f"{path}:{lineno}", obj
+                yield _with_own_id(f"{path}:{lineno}", obj), obj
         else:
             for index, obj in iter_json_array(path):
-                yield f"{path}[{index}]", obj
+                yield _with_own_id(f"{path}[{index}]", obj), obj
     else:  # the schema forbids this
         raise InputError(f"unknown prompt source type {kind!r}")
 
