@@ -271,3 +271,12 @@ def test_a_filesystem_without_flock_runs_the_block_with_a_warning(tmp_path, monk
         ran.append(True)
     assert ran == [True] and output_lock_path(tmp_path / "train" / "summary.json") == tmp_path / "train" / ".summary.json.lock"
     assert "cannot be taken on this filesystem" in caplog.text and "Function not implemented" in caplog.text
+
+
+def test_a_job_that_did_none_of_the_work_records_no_rate():
+    """A resumed shard whose chunks were all finished before records its rate as not measured (None),
+    not as 0 tokens/s."""
+    from eagle3_pipeline.runtime import rate
+
+    assert rate(1500, 4.0) == 375.0
+    assert rate(0, 0.0) is None and rate(1500, 0.0) is None

@@ -24,7 +24,7 @@ from .io import InputError, sha256_json
 from .layout import pids_of, summary_beside
 from .plan import COMPLETION_FILL
 from .prompts import Reject, edited_prompts
-from .runtime import Timer, progress
+from .runtime import Timer, progress, rate
 
 logger = logging.getLogger(__name__)
 
@@ -869,7 +869,7 @@ def run_generation_shard(
             "pipeline_parallel_size": vcfg["pipeline_parallel_size"],
             "generate_seconds": round(gen_s, 3),
             "engine_wall_seconds": round(run.wall_seconds, 3),
-            "completion_tokens_per_second": run.stats.get("completion_tokens", 0) / gen_s if gen_s else 0.0,
+            "completion_tokens_per_second": rate(run.stats.get("completion_tokens", 0), gen_s),
             SUMMARY_HASH_KEYS[0]: sha256_file(out["traces"]),
             SUMMARY_HASH_KEYS[1]: file_stat(out["traces"]),  # the shard as hashed (io.checked_sha256)
         }

@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 
+from .runtime import rate
 from .shards import (
     DONE_SUFFIX,
     FP8,
@@ -131,7 +132,7 @@ def run_extraction_shard(
         return index | {
             "backend": cfg["backend"],
             "extract_seconds": round(run_s, 3),
-            "tokens_per_second": run.stats.get("tokens", 0) / run_s if run_s else 0.0,
+            "tokens_per_second": rate(run.stats.get("tokens", 0), run_s),
             # hashing what was still unhashed once the last chunk was done
             "hash_tail_seconds": round(run.followed.tail_seconds, 3),
         }

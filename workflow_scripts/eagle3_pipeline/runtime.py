@@ -175,6 +175,13 @@ def progress(
     )
 
 
+def rate(count: float, seconds: float) -> float | None:
+    """``count`` per second over ``seconds`` of a job's work, for its summary; None (not measured)
+    where the job did none of the work (``seconds`` 0: a resumed job whose chunks were all finished
+    by an earlier one), rather than a rate of 0 that reads as a stall."""
+    return count / seconds if seconds > 0 else None
+
+
 class Timer:
     """Wall-clock stopwatch in seconds (``time.perf_counter``)."""
 
