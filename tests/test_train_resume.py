@@ -219,3 +219,51 @@ def test_a_checkpoint_changed_after_it_was_saved_is_refused_before_it_is_loaded(
     assert f"Delete {ckpt.dir} and rerun" in str(e.value)
     (ckpt.dir / "progress.json").write_text(json.dumps({"step": 8}))  # an earlier version's: no hash to check
     assert ckpt.load()["step"] == 8
+
+
+@pytest.mark.e2e
+def test_a_training_that_ends_after_its_snakemake_was_killed_is_taken_back_not_trained_again(e2e_run, tmp_path):
+    """kill -9 of snakemake alone while train_drafter runs (a closed terminal, an OOM kill): the job
+    lives on and ends, its outputs marked incomplete. The rerun (after `snakemake --unlock`, as
+    Snakemake asks) keeps them at its start and the rerun's job takes them back: the same drafter
+    and metrics files, no step trained again."""
+    import shutil
+    import time
+
+    import psutil
+    from e2e_support import IN_PROCESS_ENGINES, snakemake_cli
+
+    src, _, _ = e2e_run
+    wd = tmp_path / "wd"
+    shutil.copytree(src, wd, symlinks=True)
+    drafter, metrics = wd / "results/e2e/drafter", wd / "results/e2e/train/metrics.jsonl"
+    cmd = [sys.executable, "-m", "snakemake", "--cores", "2", "--forcerun", "train_drafter", "-s", str(ROOT / "Snakefile"),
+           "-d", str(wd), "--configfile", str(wd / "small.yaml"), "--", "results/e2e/drafter"]  # fmt: skip
+    snake = subprocess.Popen(
+        cmd, cwd=wd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env={**os.environ, **IN_PROCESS_ENGINES}
+    )
+    seen = []
+    try:
+        for line in snake.stderr:
+            seen.append(line)
+            if line.startswith(("rule train_drafter", "localrule train_drafter")):
+                break
+        deadline = time.monotonic() + 120
+        while not (job := [p for p in psutil.Process(snake.pid).children(recursive=True) if "train_drafter" in " ".join(p.cmdline())]):
+            assert snake.poll() is None and time.monotonic() < deadline, "".join(seen)[-3000:]
+            time.sleep(0.05)
+    finally:
+        snake.kill()  # snakemake alone: its job lives on
+        snake.wait()
+    psutil.wait_procs(job, timeout=600)
+    assert "train:" in (wd / "logs/e2e/train_drafter.log").read_text()  # it trained, its snakemake gone
+    summary = json.loads((wd / "results/e2e/train/summary.json").read_text())
+    before = {p: (p.stat().st_ino, p.read_bytes()) for p in (drafter / "model.safetensors", metrics)}
+    assert snakemake_cli(wd, wd / "small.yaml", "--unlock", cwd=wd).returncode == 0
+    r = snakemake_cli(wd, wd / "small.yaml", "--cores", "2", targets=("results/e2e/drafter",), cwd=wd, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "kept for their jobs, which take them back" in r.stderr and "train_drafter" in r.stderr, r.stderr[-3000:]
+    log = (wd / "logs/e2e/train_drafter.log").read_text()  # the rerun's job's alone (Snakemake replaced the log)
+    assert "taken back from" in log and "train:" not in log, log[-3000:]
+    assert {p: (p.stat().st_ino, p.read_bytes()) for p in before} == before  # the finished job's files, not new ones
+    assert json.loads((wd / "results/e2e/train/summary.json").read_text()) == summary
