@@ -890,7 +890,7 @@ def test_generations_progress_without_a_counter_and_with_rejected_prompts():
     prog.added(6)
     prog.finished([50, 30])  # without a counter the bar moves as answers end
     prog.update()
-    assert prog.bar.n == 80 and prog.prompts_done == 5 and prog.bar.postfix == "5/10 prompts"
+    assert prog.bar.n == 80 and prog.prompts_done == 5 and prog.bar.postfix == "5/10 prompts, rate expected"
     # the 10 answers in flight hold g = 0 tokens so far: each is expected at the mean of the finished
     # answers longer than 0 (50 and 30) blended, as 8 answers, with 0 + 80 generated / 2 ended = 40
     assert prog.bar.total == round(80 + 10 * (80 + 8 * 40) / 10)

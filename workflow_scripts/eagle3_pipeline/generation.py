@@ -366,8 +366,10 @@ class CompletionProgress:
     apart (a least-squares fit of each read's seconds to both counts), at one cost per token of
     either where they do not. The prefill of the prompts an engine takes at once makes few
     completion tokens: the demo's first ETA from the completion tokens' rate alone was 30 min,
-    then 1 h 39 min, for 3 min 40 s left. The rate shown is the one that ETA implies; "?"
-    before a read has counted a token (the postfix says ``prefill``).
+    then 1 h 39 min, for 3 min 40 s left. The rate shown is the one that ETA implies, the completion
+    tokens/s expected over the rest (the postfix says ``rate expected``): early on it is well above
+    the tokens shown over the time elapsed, which went mostly into prefill; "?" before a read has
+    counted a token (the postfix says ``prefill``).
 
     Args:
         prompts: prompts this bar counts to.
@@ -503,8 +505,8 @@ class CompletionProgress:
         while len(self.reads) > 2 and self.reads[1][0] <= now - RATE_WINDOW_SECONDS:
             self.reads.popleft()
         self.bar.total = self.expected_total()
-        prefill = ", prefill" if self.generated == 0 and self.in_flight else ""
-        self.bar.set_postfix_str(f"{self.prompts_done}/{self.prompts} prompts{prefill}", refresh=False)
+        state = ", prefill" if self.generated == 0 and self.in_flight else ", rate expected"
+        self.bar.set_postfix_str(f"{self.prompts_done}/{self.prompts} prompts{state}", refresh=False)
         self.bar.update(self.generated - self.bar.n)
 
     def close(self, complete: bool) -> None:
