@@ -6,6 +6,7 @@ job's output is the chunks joined in order.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -303,25 +304,25 @@ def test_a_finished_job_kept_before_its_rerun_is_taken_back_and_not_when_altered
     job = make_job(tmp_path, keep_finished=True)
     first = run_shard_job(job)
     assert not partial_dir(tmp_path).exists()  # an ordinary end: nothing kept
-    assert shard_job.keep_for_rerun(job.outputs, job.record)
+    assert shard_job.keep_for_rerun(job.outputs, job.record, job.check_outputs)
     for p in (job.outputs[0], job.record):  # what the rerun's Snakemake deletes as incomplete
         Path(p).unlink()
     assert run_shard_job(job) == first and calls(tmp_path) == [0, 1, 2, 3]  # taken back, no chunk done again
     assert Path(job.outputs[0]).read_text() == EVERY_ITEM and not partial_dir(tmp_path).exists()
     # altered after its job recorded it: not kept (and nothing of it is)
     Path(job.outputs[0]).write_text("item-0\n")
-    assert not shard_job.keep_for_rerun(job.outputs, job.record) and not partial_dir(tmp_path).exists()
+    assert not shard_job.keep_for_rerun(job.outputs, job.record, job.check_outputs) and not partial_dir(tmp_path).exists()
     # kept, but the rerun's settings differ (another fingerprint): the work is done again
     Path(job.outputs[0]).write_text(EVERY_ITEM)
     write_json_atomic(job.record, first | {"sha256": sha256_file(job.outputs[0]), "stat": file_stat(job.outputs[0])})
-    assert shard_job.keep_for_rerun(job.outputs, job.record)
+    assert shard_job.keep_for_rerun(job.outputs, job.record, job.check_outputs)
     for p in (job.outputs[0], job.record):
         Path(p).unlink()
     rec = run_shard_job(make_job(tmp_path, "fp-2", keep_finished=True))
     assert rec["fingerprint"] == "fp-2" and calls(tmp_path) == [0, 1, 2, 3] * 2 and rec["chunks_resumed"] == 0
     # no record, or a record without a fingerprint: nothing to keep
     Path(job.record).unlink()
-    assert not shard_job.keep_for_rerun(job.outputs, job.record)
+    assert not shard_job.keep_for_rerun(job.outputs, job.record, job.check_outputs)
 
 
 def test_a_jobs_recorded_ancestors_stop_at_its_snakemake(tmp_path):
@@ -344,3 +345,61 @@ def test_a_jobs_recorded_ancestors_stop_at_its_snakemake(tmp_path):
     assert [pid for pid, _ in chain] == [snakemake_pid]
     direct = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert [pid for pid, _ in direct][:2] == [os.getpid(), os.getppid()]
+
+
+def test_the_start_keeps_each_stages_finished_outputs_by_their_own_record(tmp_path, monkeypatch):
+    """The onstart step (snakemake_adapter.keep_incomplete_finished_shards) with every output marked
+    incomplete: a trace shard (its summary's traces_sha256), a hidden-state shard (its index's
+    sha256) and a drafter folder (its record of files) are each kept under their record's
+    fingerprint; an altered shard, a job whose outputs are not all marked, and other stages are not."""
+    from eagle3_pipeline import snakemake_adapter
+    from eagle3_pipeline.generation import SUMMARY_HASH_KEYS
+    from eagle3_pipeline.io import record_files
+    from eagle3_pipeline.resume import ChunkStore
+    from eagle3_pipeline.shards import INDEX_HASH_KEYS
+
+    def finished(main: Path, record: Path, keys: tuple[str, str], text: str) -> None:
+        main.write_text(text)
+        write_json_atomic(record, {"fingerprint": f"fp-{main.name}", keys[0]: sha256_file(main), keys[1]: file_stat(main)})
+
+    traces, summary = tmp_path / "shard-00000.jsonl", tmp_path / "shard-00000.summary.json"
+    finished(traces, summary, SUMMARY_HASH_KEYS, "trace\n")
+    altered, altered_summary = tmp_path / "shard-00001.jsonl", tmp_path / "shard-00001.summary.json"
+    finished(altered, altered_summary, SUMMARY_HASH_KEYS, "trace\n")
+    altered.write_text("edited\n")
+    shard, index = tmp_path / "shard-00000.safetensors", tmp_path / "shard-00000.index.json"
+    finished(shard, index, INDEX_HASH_KEYS, "states")
+    drafter, metrics, train_summary = tmp_path / "drafter", tmp_path / "metrics.jsonl", tmp_path / "summary.json"
+    drafter.mkdir()
+    (drafter / "model.safetensors").write_text("weights")
+    record_files(drafter)
+    metrics.write_text("{}\n")
+    write_json_atomic(train_summary, {"fingerprint": "fp-train"})
+    jobs = [
+        {"stage": "generate_traces", "output": [str(traces), str(tmp_path / "r0.jsonl"), str(summary)]},
+        {"stage": "generate_traces", "output": [str(altered), str(tmp_path / "r1.jsonl"), str(altered_summary)]},
+        {"stage": "extract_hidden_states", "output": [str(shard), str(index)]},
+        {"stage": "train_drafter", "output": [str(drafter), str(metrics), str(train_summary)]},
+        {"stage": "evaluate_drafter", "output": [str(tmp_path / "acceptance.json")]},
+    ]
+    for j in jobs[:2]:
+        Path(j["output"][1]).write_text("")
+    marked = {o for j in jobs for o in j["output"]}
+    monkeypatch.setattr(snakemake_adapter, "incomplete_outputs", lambda _wf: marked)
+    assert snakemake_adapter.keep_incomplete_finished_shards(None, jobs) == [str(traces), str(shard), str(drafter)]
+    for main, record, fp in (
+        (traces, summary, "fp-shard-00000.jsonl"),
+        (shard, index, "fp-shard-00000.safetensors"),
+        (drafter, train_summary, "fp-train"),
+    ):
+        kept = ChunkStore.dir_for(main)
+        assert (kept / "FINGERPRINT").read_text() == fp + "\n"  # the fingerprint its record names
+        assert (kept / f"finished-{record.name}").samefile(record)
+        link = kept / f"finished-{main.name}"
+        assert (link / "model.safetensors").samefile(main / "model.safetensors") if main.is_dir() else link.samefile(main)
+    assert (ChunkStore.dir_for(drafter) / "finished-metrics.jsonl").samefile(metrics)
+    assert not ChunkStore.dir_for(altered).exists()
+    marked.discard(str(metrics))  # not all of the training's outputs marked: its job had not finished
+    for main in (traces, shard, drafter):
+        shutil.rmtree(ChunkStore.dir_for(main))
+    assert snakemake_adapter.keep_incomplete_finished_shards(None, jobs) == [str(traces), str(shard)]

@@ -132,6 +132,15 @@ class ShardJob:
     chunk_key: str = "the chunk size"
     record_hash_keys: tuple[str, str] = ("sha256", "stat")
 
+    def check_outputs(self) -> str:
+        """The main output's SHA-256, checked against what the record names under
+        ``record_hash_keys`` (:func:`eagle3_pipeline.io.recorded_sha256`).
+
+        Raises:
+            InputError: its bytes differ from the record's.
+        """
+        return recorded_sha256(self.outputs[0], self.record, *self.record_hash_keys)
+
     def open_store(self) -> ChunkStore:
         """The job's chunk store (:class:`eagle3_pipeline.resume.ChunkStore`): opening it discards
         chunks of another fingerprint and temporary files of a killed writer."""
@@ -225,9 +234,7 @@ def run_shard_job(job: ShardJob, *, host_lock_enabled: bool = True) -> dict:
     return record
 
 
-def keep_for_rerun(
-    outputs: Sequence[str], record: str, record_hash_keys: tuple[str, str] = ("sha256", "stat"), check: Callable[[], object] | None = None
-) -> bool:
+def keep_for_rerun(outputs: Sequence[str], record: str, check: Callable[[], object]) -> bool:
     """Keep a finished shard job's outputs for the rerun that Snakemake is about to start of it.
 
     Snakemake marks a job's outputs incomplete when the job starts and clears the mark when it
@@ -242,10 +249,10 @@ def keep_for_rerun(
     Args:
         outputs: the job's outputs but its record, the main one first (:attr:`ShardJob.outputs`).
         record: the record the job writes last (:attr:`ShardJob.record`).
-        record_hash_keys: the record's keys of the main output's SHA-256 and stat.
-        check: instead of that, what checks the outputs' bytes against their job's record (raising
-            :class:`InputError`), e.g. for training's drafter folder and its record of files; the
-            job takes them back with :func:`eagle3_pipeline.resume.take_back_kept`.
+        check: what checks the outputs' bytes against what their job recorded, raising
+            :class:`InputError` where they differ: a shard's :meth:`ShardJob.check_outputs`, or
+            training's drafter folder against its record of files (the training job takes them back
+            with :func:`eagle3_pipeline.resume.take_back_kept`).
 
     Returns:
         True when they were kept; False when the record is missing or unreadable, an output is
@@ -258,7 +265,7 @@ def keep_for_rerun(
     if not isinstance(rec, dict) or not rec.get("fingerprint") or not all(Path(p).exists() for p in outputs):
         return False
     try:
-        check() if check is not None else recorded_sha256(outputs[0], record, *record_hash_keys)
+        check()
     except InputError as e:
         logger.warning("not keeping %s for its rerun: %s", outputs[0], e)
         return False
@@ -306,4 +313,4 @@ def _take_back(job: ShardJob, store: ChunkStore) -> dict | None:
     """The record of the outputs this shard's job finished after its snakemake ended, put back in
     place when the main output's bytes are the ones it recorded (:func:`eagle3_pipeline.resume.take_back`);
     None when there are none, or they were altered (then they and the store are removed)."""
-    return take_back(store, job.outputs, job.record, functools.partial(recorded_sha256, job.outputs[0], job.record, *job.record_hash_keys))
+    return take_back(store, job.outputs, job.record, job.check_outputs)

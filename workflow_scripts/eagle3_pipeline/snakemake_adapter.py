@@ -166,16 +166,22 @@ def keep_incomplete_finished_shards(workflow, jobs: list[dict]) -> list[str]:
         the jobs then run again, as without this step).
     """
     from .generation import SUMMARY_HASH_KEYS, traces_summary_path
-    from .io import check_recorded_files
+    from .io import check_recorded_files, recorded_sha256
     from .shard_job import keep_for_rerun
     from .shards import INDEX_HASH_KEYS, shard_index_path
 
-    # per stage (its rule's first output is the main one): its record among the outputs, the
-    # record's keys of the main output's bytes (training: the drafter folder's own record of files)
+    def shard_bytes(keys: tuple[str, str]):  # the main output against the record's keys of its bytes
+        return lambda main, record: functools.partial(recorded_sha256, main, record, *keys)
+
+    # per stage (its rule's first output is the main one): its record among the outputs, and the
+    # check of the main output against its record (training: the drafter folder's own record of files)
     stages = {
-        "generate_traces": (lambda outs: str(traces_summary_path(outs[0])), SUMMARY_HASH_KEYS),
-        "extract_hidden_states": (lambda outs: str(shard_index_path(outs[0])), INDEX_HASH_KEYS),
-        "train_drafter": (lambda outs: next((o for o in outs if Path(o).name == "summary.json"), ""), None),
+        "generate_traces": (lambda outs: str(traces_summary_path(outs[0])), shard_bytes(SUMMARY_HASH_KEYS)),
+        "extract_hidden_states": (lambda outs: str(shard_index_path(outs[0])), shard_bytes(INDEX_HASH_KEYS)),
+        "train_drafter": (
+            lambda outs: next((o for o in outs if Path(o).name == "summary.json"), ""),
+            lambda main, _record: functools.partial(check_recorded_files, main, exhaustive=True),
+        ),
     }
     try:
         marked = incomplete_outputs(workflow)
@@ -185,11 +191,10 @@ def keep_incomplete_finished_shards(workflow, jobs: list[dict]) -> list[str]:
         return []
     kept = []
     for j in jobs:
-        record_of, keys = stages[j["stage"]]
+        record_of, check_of = stages[j["stage"]]
         record = record_of(j["output"])
         outputs = [o for o in j["output"] if o != record]
-        check = None if keys else functools.partial(check_recorded_files, outputs[0], exhaustive=True)
-        if record in j["output"] and keep_for_rerun(outputs, record, keys or ("sha256", "stat"), check=check):
+        if record in j["output"] and keep_for_rerun(outputs, record, check_of(outputs[0], record)):
             kept.append(outputs[0])
     if kept:
         print(
