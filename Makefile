@@ -18,7 +18,7 @@ setup:
 
 run: setup
 	$(SNAKE) --cores $(CORES)
-	@$(PY) -c 'import json, yaml; r = yaml.safe_load(open("config/config.yaml"))["run"]; a = json.load(open("results/%s/eval/acceptance.json" % r)); print("drafter: results/%s/drafter\nacceptance: results/%s/eval/acceptance.json (tau = %.3f)" % (r, r, a["acceptance_length"]))'
+	@$(PY) -c 'import sys, yaml; sys.path.insert(0, "workflow_scripts"); from eagle3_pipeline.summary import result_lines; print(result_lines("results/" + yaml.safe_load(open("config/config.yaml"))["run"]))'
 
 dry-run: setup
 	$(SNAKE) -n --cores $(CORES)

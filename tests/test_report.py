@@ -412,3 +412,20 @@ def test_report_renders_every_figure_in_a_headless_browser(e2e_run, tmp_path):
     for colour, pixels_at_least in (("C0", 500), ("C3", 60)):
         near = np.abs(pixels - np.array(to_rgb(colour)) * 255).sum(-1) < 40
         assert near.sum() >= pixels_at_least, colour
+
+
+def test_the_lines_make_run_ends_with_give_tau_and_each_speedup_measured(tmp_path):
+    """make run's last lines: the drafter's folder, then τ and the speedup per concurrency from the
+    evaluation's record (rounded from its own figures); no speedup part where none was measured."""
+    from eagle3_pipeline.summary import result_lines
+
+    run = tmp_path / "results" / "r"
+    (run / "eval").mkdir(parents=True)
+    acc = {"acceptance_length": 1.22435, "speedup": [{"concurrency": 1, "speedup": 1.6049}, {"concurrency": 16, "speedup": 1.8551}]}
+    (run / "eval" / "acceptance.json").write_text(json.dumps(acc))
+    assert result_lines(str(run)).splitlines() == [
+        f"drafter: {run}/drafter",
+        f"acceptance: {run}/eval/acceptance.json (tau = 1.224; speedup 1.60x at 1 in flight, 1.86x at 16 in flight)",
+    ]
+    (run / "eval" / "acceptance.json").write_text(json.dumps(acc | {"speedup": []}))
+    assert result_lines(str(run)).endswith("(tau = 1.224)")

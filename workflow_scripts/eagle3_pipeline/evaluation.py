@@ -214,8 +214,11 @@ def answer_prompts(llm, prompts: list[list[int]], params, *, queued: int, desc: 
     return outs, time.perf_counter() - t0
 
 
-def decode_throughput(llm, prompts: list[list[int]], max_tokens: int, concurrency: int, temperature: float = 0.0) -> dict:
-    """Output tokens per second of ``llm`` answering ``prompts`` with ``concurrency`` requests in flight.
+def decode_throughput(
+    llm, prompts: list[list[int]], max_tokens: int, concurrency: int, temperature: float = 0.0, desc: str | None = None
+) -> dict:
+    """Output tokens per second of ``llm`` answering ``prompts`` with ``concurrency`` requests in flight
+    (its bar labelled ``desc``, by default ``decode x<concurrency>``).
 
     Requests are added whenever fewer than ``concurrency`` are unfinished
     (:func:`answer_prompts`, whose bar reads no engine counter here: nothing but the answers
@@ -230,7 +233,7 @@ def decode_throughput(llm, prompts: list[list[int]], max_tokens: int, concurrenc
     from vllm.sampling_params import RequestOutputKind
 
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, output_kind=RequestOutputKind.FINAL_ONLY)
-    outs, secs = answer_prompts(llm, prompts, params, queued=concurrency, desc=f"decode x{concurrency}")
+    outs, secs = answer_prompts(llm, prompts, params, queued=concurrency, desc=desc or f"decode x{concurrency}")
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {
         "concurrency": concurrency,
@@ -253,7 +256,7 @@ def throughput_runs(llm, prompts: list[list[int]], eval_cfg: dict, label: str, *
         return []
     prompts = prompts[: speed["max_prompts"]]
     if warm_up:
-        decode_throughput(llm, prompts[:2], min(16, eval_cfg["max_tokens"]), 2, eval_cfg["temperature"])
+        decode_throughput(llm, prompts[:2], min(16, eval_cfg["max_tokens"]), 2, eval_cfg["temperature"], desc="warm-up, not timed")
     runs = [decode_throughput(llm, prompts, eval_cfg["max_tokens"], c, eval_cfg["temperature"]) for c in speed["concurrency"]]
     logger.info(
         "decoding %s: %s output tok/s at %s requests in flight",

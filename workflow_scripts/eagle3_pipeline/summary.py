@@ -72,3 +72,23 @@ def summarize(prompts: str, traces: list[str], coverage: str, hidden_indexes: li
             "total": p["rejected"] + generation["rejected"] + acc.get("rejected_prompts", 0),
         },
     }
+
+
+def result_lines(run_dir: str) -> str:
+    """What ``make run`` prints at the end of a run in ``run_dir`` (``results/<run>``): the drafter's
+    folder, and ``eval/acceptance.json`` with τ and the speedup at each concurrency measured (output
+    tokens/s with the drafter over without, the evaluation's ``speedup`` records), e.g.::
+
+        drafter: results/default/drafter
+        acceptance: results/default/eval/acceptance.json (tau = 1.224; speedup 0.50x at 8 in flight)
+
+    Raises:
+        OSError, ValueError: ``eval/acceptance.json`` is missing or not JSON (the run has not finished).
+    """
+    acc_path = f"{run_dir}/eval/acceptance.json"
+    acc = read_json(acc_path)
+    parts = [f"tau = {acc['acceptance_length']:.3f}"]
+    rows = [r for r in acc.get("speedup") or [] if r.get("speedup") is not None]
+    if rows:
+        parts.append("speedup " + ", ".join(f"{r['speedup']:.2f}x at {r['concurrency']} in flight" for r in rows))
+    return f"drafter: {run_dir}/drafter\nacceptance: {acc_path} ({'; '.join(parts)})"

@@ -1036,10 +1036,11 @@ def train(
                     }
                 )
                 logger.info(
-                    "step %d/%d loss %.4f acc0 %.3f tok/s %.0f",
+                    "step %d/%d loss %.4f (summed over %d TTT steps) acc0 %.3f tok/s %.0f",
                     step,
                     total_steps,
                     last_train.get("loss", float("nan")),
+                    cfg["ttt_steps"],
                     last_train.get("full_acc_0", float("nan")),
                     (tokens_seen - tokens_at_start) / max(timer.seconds, 1e-9),
                 )
