@@ -489,3 +489,5 @@ def test_an_edited_prompt_shard_is_refused_at_the_start_and_by_generation(tmp_pa
     with pytest.raises(InputError) as e:  # before the target is looked at
         run_generation_shard(str(shard), {}, str(tmp_path / "no-target"), {}, chunk_prompts=2)
     assert str(e.value) == problem
+    shard.write_text("\n" + shard.read_text())  # a blank line first: the file's own line numbers
+    assert edited_prompts(shard).startswith(f"{shard}:3: prompt {records[1]['id']!r}")

@@ -834,17 +834,18 @@ def run_generation_shard(
     """
     from .config import result_settings
     from .engine import check_eagle3_target
-    from .io import file_stat, read_jsonl, sha256_file, sha256_json, write_jsonl_atomic
+    from .io import file_stat, iter_jsonl, read_jsonl, sha256_file, sha256_json, write_jsonl_atomic
     from .shard_job import ShardJob, ShardRun, run_shard_job
     from .target_model import model_fingerprint, tokenizer_problem
 
-    if (edited := edited_prompts(prompts_path)) is not None:  # each id is its messages' hash, as prepare_prompts wrote it
+    numbered = list(iter_jsonl(prompts_path))
+    if (edited := edited_prompts(prompts_path, numbered)) is not None:  # each id is its messages' hash, as prepare_prompts wrote it
         raise InputError(edited)
     # the first stage fails for a target the evaluation's vLLM could not draft for, not the last
     check_eagle3_target(target, params["trust_remote_code"], params["max_seq_len"])
     if (why := tokenizer_problem(target, params["trust_remote_code"])) is not None:
         raise InputError(why)
-    records = sorted(read_jsonl(prompts_path), key=lambda r: r["id"])
+    records = sorted((r for _, r in numbered), key=lambda r: r["id"])
     model = {"path": target, "fingerprint": model_fingerprint(target)}
     # runtime settings (data-parallel layout, ...) do not change the traces: a resume may use
     # others; the chunk size is the fingerprint's own (it defines the chunks)

@@ -369,22 +369,27 @@ def prompt_id(messages: list[dict]) -> str:
     return sha256_json(messages)[:16]
 
 
-def edited_prompts(path: str | Path) -> str | None:
+def edited_prompts(path: str | Path, numbered: Iterable[tuple[int, dict]] | None = None) -> str | None:
     """What shows a prompt shard (``prompts/shard-NNNNN.jsonl``) was edited after prepare_prompts
     wrote it, or None: every record's ``id`` is :func:`prompt_id` of its ``messages``, so a
     record whose id is not is one whose messages changed (or an id changed by hand).
 
+    Args:
+        path: the shard.
+        numbered: its ``(line number, record)`` pairs as :func:`eagle3_pipeline.io.iter_jsonl`
+            yields them, where the caller has read them already; None: read from ``path``.
+
     Returns:
         one line naming the file, the first such record's line and id, how many there are, and
         how to remake the shard; None when every id matches.
-    """
-    from .io import read_jsonl, remake_hint
 
-    bad = [
-        (n, r.get("id"))
-        for n, r in enumerate(read_jsonl(path), start=1)
-        if not isinstance(r, dict) or r.get("id") != prompt_id(r.get("messages"))
-    ]
+    Raises:
+        InputError: a line of the shard is not a JSON object (:func:`eagle3_pipeline.io.iter_jsonl`).
+    """
+    from .io import iter_jsonl, remake_hint
+
+    records = iter_jsonl(path) if numbered is None else numbered
+    bad = [(n, r.get("id")) for n, r in records if r.get("id") != prompt_id(r.get("messages"))]
     if not bad:
         return None
     n, pid = bad[0]
