@@ -249,7 +249,18 @@ def test_a_training_that_ends_after_its_snakemake_was_killed_is_taken_back_not_t
             if line.startswith(("rule train_drafter", "localrule train_drafter")):
                 break
         deadline = time.monotonic() + 120
-        while not (job := [p for p in psutil.Process(snake.pid).children(recursive=True) if "train_drafter" in " ".join(p.cmdline())]):
+
+        def training_jobs() -> list:
+            found = []
+            for p in psutil.Process(snake.pid).children(recursive=True):
+                try:  # a short-lived child (a shell, a check) may end between listing and reading
+                    if "train_drafter" in " ".join(p.cmdline()):
+                        found.append(p)
+                except psutil.NoSuchProcess:
+                    pass
+            return found
+
+        while not (job := training_jobs()):
             assert snake.poll() is None and time.monotonic() < deadline, "".join(seen)[-3000:]
             time.sleep(0.05)
     finally:
