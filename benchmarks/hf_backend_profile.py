@@ -29,6 +29,9 @@ tokens (the range of ``vs_speculators.py``'s ShareGPT samples), and times on the
   ``batch_writer`` job as the process's first GPU work after the model's build, then the same job
   again, with each batch's shape and main-thread seconds: what a process's first batches cost
   (CUDA set-up), to be run under the variables of ``COLD_START_ENV`` and in a second process;
+  ``--fill-host-pool N`` first fills torch's pinned host pool with N buffers of each size the
+  batches take (``fill_host_pool``), ``--cold-profile`` runs each job under ``torch.profiler``
+  (device time per kernel class, and the host calls with most time);
 * ``packed_<attn>`` (``--packed sdpa flex_attention``): the decoder over padding-free rows of up
   to ``batch_tokens`` tokens, samples back to back with positions restarting at 0, which
   transformers masks per sample in that attention implementation (flex attention skips the
@@ -304,6 +307,50 @@ def job_writes(
     return {"seconds": seconds} | out
 
 
+def fill_host_pool(samples, batch_tokens: int, layers: int, hidden: int, per_size: int, chunk: int = 64) -> dict:
+    """Allocate, then free, ``per_size`` pinned host buffers of each power-of-two size the job's
+    batches' states (bf16 ``[B, T_max, layers, hidden]``, batches as ``prefill_batches`` makes them per
+    chunk of ``chunk`` samples) round up to, so torch's caching host allocator holds them when the
+    job starts (it rounds each pinned allocation up to a power of two and reuses freed blocks of
+    that size). Without a GPU (no pinned memory) it allocates nothing. Returns the sizes in bytes,
+    the buffers allocated and the seconds taken."""
+    import torch
+
+    from eagle3_pipeline.hf_backend import make_batches
+
+    sizes = set()
+    for a in range(0, len(samples), chunk):
+        lengths = [len(s.input_ids) for s in samples[a : a + chunk]]
+        for batch in make_batches(lengths, batch_tokens):
+            nbytes = len(batch) * lengths[batch[0]] * layers * hidden * 2
+            sizes.add(1 << (nbytes - 1).bit_length())
+    t = time.perf_counter()
+    pin = torch.cuda.is_available()
+    held = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in sorted(sizes) for _ in range(per_size) if pin]
+    seconds = time.perf_counter() - t
+    return {"sizes_bytes": sorted(sizes), "per_size": per_size, "allocated": len(held), "seconds": round(seconds, 3)}
+
+
+def profiled_span(fn, device: str):
+    """``(fn(), prof)``: ``fn`` run under ``torch.profiler`` (CPU, and CUDA activity on a GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=acts) as prof:
+        got = fn()
+    return got, prof
+
+
+def host_calls(prof, n: int = 12) -> dict:
+    """The ``n`` host events (operators, CUDA runtime calls such as ``cudaHostAlloc`` or
+    ``cudaStreamSynchronize``) with the most CPU self time in a finished profile:
+    ``{"host_top": [[seconds, name, calls], ...]}``."""
+    from torch.autograd import DeviceType
+
+    rows = [(e.self_cpu_time_total / 1e6, e.key[:80], e.count) for e in prof.key_averages() if e.device_type == DeviceType.CPU]
+    return {"host_top": [[round(s, 4), k, c] for s, k, c in sorted(rows, reverse=True)[:n]]}
+
+
 def measure(args, results: phases.Results) -> None:
     """Each measurement a phase of its own in ``results`` (``setup`` first): one that fails (a
     kernel the GPU lacks, memory) is recorded with its error and the others still run."""
@@ -345,11 +392,17 @@ def measure(args, results: phases.Results) -> None:
 
     if args.cold:  # before anything else has run a kernel in this process
         bt = args.batch_tokens[0]
+        if args.fill_host_pool:
+            results.inline(
+                "fill_host_pool", lambda: fill_host_pool(samples, bt, len(layer_ids), model.config.hidden_size, args.fill_host_pool)
+            )
         for name in ("cold_job", "second_job"):
 
             def job() -> dict:
-                got = job_writes(model, samples, layer_ids, bt, Path(args.cold), "batch_writer", per_batch=True)
-                return rate(got.pop("seconds")) | got | {"env": {k: os.environ.get(k) for k in COLD_START_ENV}}
+                run = lambda: job_writes(model, samples, layer_ids, bt, Path(args.cold), "batch_writer", per_batch=True)  # noqa: E731
+                got, prof = profiled_span(run, device) if args.cold_profile else (run(), None)
+                out = rate(got.pop("seconds")) | got | {"env": {k: os.environ.get(k) for k in COLD_START_ENV}}
+                return out | (host_calls(prof) | phases.kernel_classes(prof, out["seconds"]) if prof else {})
 
             results.inline(f"{name}_bt{bt}", job)
         return
@@ -469,6 +522,18 @@ def main() -> None:
         metavar="DIR",
         help="only: the job's loop (as --writes' batch_writer, shard in DIR) as the process's first GPU work, then again: "
         "each batch's main-thread seconds and shape, and the variables of COLD_START_ENV",
+    )
+    ap.add_argument(
+        "--fill-host-pool",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --cold: first allocate and free N pinned buffers of each power-of-two size the job's batches take",
+    )
+    ap.add_argument(
+        "--cold-profile",
+        action="store_true",
+        help="with --cold: each job under torch.profiler, its device time per kernel class and the host calls with most time",
     )
     ap.add_argument("--compile", action="store_true", help="also time the padded forward with the decoder under torch.compile")
     ap.add_argument(

@@ -4,6 +4,7 @@ leaves running is stopped; a failed phase is recorded with its error and log and
 inputs are checked before the first phase; vs_speculators' ``all`` hands its options to its phases."""
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -410,17 +411,19 @@ def test_the_hf_backend_profile_runs_as_documented_at_a_tiny_shape(tmp_path):
 def test_the_hf_backend_profile_cold_mode_times_each_batch_of_two_jobs(tmp_path):
     """--cold runs the job's loop twice and nothing else: each job lists make_batches' batches (rows,
     longest sample) with main-thread seconds that add up to no more than the job, wrote every token
-    once, and records the cold-start variables it ran under."""
+    once, and records the cold-start variables it ran under. --fill-host-pool names each power-of-two
+    size the batches' states take (nothing pinned on a CPU); --cold-profile adds each job's host calls."""
     import numpy as np
 
     out = tmp_path / "c.json"
     cmd = [sys.executable, str(ROOT / "benchmarks/hf_backend_profile.py"), "--tiny", "--samples", "6", "--min-len", "40",
-           "--max-len", "90", "--batch-tokens", "256", "--cold", str(tmp_path / "c"), "--out", str(out)]  # fmt: skip
+           "--max-len", "90", "--batch-tokens", "256", "--cold", str(tmp_path / "c"), "--out", str(out),
+           "--fill-host-pool", "3", "--cold-profile"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"} | {"CUDA_MODULE_LOADING": "EAGER"}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     m = json.loads(out.read_text())["phases"]
-    assert set(m) == {"setup", "cold_job_bt256", "second_job_bt256"}
+    assert set(m) == {"setup", "fill_host_pool", "cold_job_bt256", "second_job_bt256"}
     rng = np.random.default_rng(0)
     lengths = []
     for _ in range(6):  # make_samples' draws
@@ -429,12 +432,16 @@ def test_the_hf_backend_profile_cold_mode_times_each_batch_of_two_jobs(tmp_path)
     from eagle3_pipeline.hf_backend import make_batches
 
     want = [[len(b), lengths[b[0]]] for b in make_batches(lengths, 256)]
+    sizes = {2 ** math.ceil(math.log2(rows * longest * 4 * 256 * 2)) for rows, longest in want}  # bf16 [B, T, 4, 256]
+    assert m["fill_host_pool"] | {"seconds": 0} == {"sizes_bytes": sorted(sizes), "per_size": 3, "allocated": 0, "seconds": 0}
     for k in ("cold_job_bt256", "second_job_bt256"):
         job = m[k]
         assert [b[:2] for b in job["batches"]] == want
         assert 0 < sum(b[2] for b in job["batches"]) <= job["seconds"] + 1e-3
         assert job["writer"]["bytes"] == sum(lengths) * 4 * 256 * 2
         assert job["env"] == {"CUDA_MODULE_LOADING": "EAGER", "PYTORCH_CUDA_ALLOC_CONF": None}
+        calls = {name: n for _s, name, n in job["host_top"]}
+        assert calls["aten::mm"] == len(want) * 8 * 7  # q, k, v, o, gate, up, down in each of the 8 layers
     assert not (tmp_path / "c").exists()
 
 
