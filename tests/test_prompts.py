@@ -5,6 +5,7 @@ import pytest
 from eagle3_pipeline.io import InputError
 from eagle3_pipeline.prompts import (
     Decontaminator,
+    RecordError,
     build_prompt_set,
     canonical_messages,
     conversation_prompts,
@@ -139,6 +140,41 @@ def test_bad_element_in_the_middle_of_an_array_loses_only_that_element(tmp_path)
     assert sorted(r["messages"][0]["content"] for r in ps.records) == ["one", "three"]
     assert [(r.source, r.reason) for r in ps.rejects] == [(f"{p}[1]", "bad_json"), (f"{p}[3]", "bad_json")]
     assert "line 3" in ps.rejects[0].detail and "truncated at the end" in ps.rejects[1].detail
+
+
+def _turns(*contents):
+    roles = ("user", "assistant")
+    return [{"role": roles[k % 2], "content": c} for k, c in enumerate(contents)]
+
+
+@pytest.mark.parametrize(
+    ("broken", "one_line"),
+    [
+        ('{"messages": [{"role": "user", "content": oops}]}', False),  # a bad value
+        ('{"messages": [{"role": "user", "content": oops}, {"role": "assistant", "content": "b"}]}', False),  # an intact turn last
+        ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant" "content": "b"}]}', True),  # a comma missing
+        ('{"messages": [{"role": "user", "content": "open}]}', True),  # a quote left open: swallows the next record
+        ('{"messages": [{"role": "user", "content": "x"}}', True),  # a bracket missing
+        ('{"messages": [[{"role": "user", "content": "x"}]}', False),  # a bracket too many
+        ("oops", True),  # not an object at all
+        ('[{"role": "user", BROKEN}, {"role": "assistant", "content": "b"}]', True),  # a record given as its list of turns
+    ],
+)
+def test_a_broken_element_before_intact_ones_loses_only_itself(tmp_path, broken, one_line):
+    """A damaged record in the middle of a JSON array is one counted reject under its own index;
+    every intact record after it is kept, whatever the damage (the intact turns inside the broken
+    record are not mistaken for records, and the array does not end early)."""
+    intact = [{"messages": _turns("one")}, {"messages": _turns("three", "3")}, [{"role": "user", "content": "four"}]]
+    parts = [json.dumps(intact[0]), broken, json.dumps(intact[1]), json.dumps(intact[2])]
+    p = tmp_path / "a.json"
+    p.write_text("[" + ", ".join(parts) + "]" if one_line else "[\n " + ",\n ".join(parts) + "\n]\n")
+    got = list(iter_json_array(p))
+    assert [i for i, _ in got] == [0, 1, 2, 3]
+    assert [o for i, o in got if i != 1] == intact
+    assert isinstance(got[1][1], RecordError) and "element 1 " in str(got[1][1]) and "malformed" in str(got[1][1])
+    ps = build_prompt_set([{"type": "file", "path": str(p)}])
+    assert sorted(r["messages"][0]["content"] for r in ps.records) == ["four", "one", "three"]
+    assert [(r.source, r.reason) for r in ps.rejects] == [(f"{p}[1]", "bad_json")]
 
 
 def test_invalid_utf8_line_is_one_counted_reject(tmp_path):

