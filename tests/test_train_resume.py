@@ -71,8 +71,9 @@ def test_killed_training_resumes_to_the_same_weights(tmp_path, target_dir):
     assert kept_work(killed) == [
         f"training checkpoint at step 3/{total} in {killed / 'train' / '.checkpoint'} (used if the training's inputs and settings are unchanged)"
     ]
-    # the rerun reads its batches with 2 loader processes (the others with none): same batches, same weights
-    r = _train(killed, target_dir, loader_workers=2)
+    # the rerun reads its batches with 2 loader processes (the others with none) and checkpoints every
+    # 2 steps: runtime settings, so it resumes; same batches, same weights
+    r = _train(killed, target_dir, loader_workers=2, checkpoint_every_steps=2)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming training from its checkpoint at step 3/" in r.stderr
     summary = json.loads(r.stdout.split("SUMMARY ", 1)[1])

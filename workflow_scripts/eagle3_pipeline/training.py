@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
+from .config import runtime_keys
 from .conventions import drafter_aux_columns, prompt_of, repetition_loop
 from .io import InputError, atomic_dir, check_recorded_files, record_files, sha256_file, sha256_json, write_text_atomic
 from .layout import CHECKPOINT_DIR
@@ -788,9 +789,9 @@ def train(
     world, accum = ctx.world_size, cfg["gradient_accumulation_steps"]
     per_step = world * accum
     # first: the shards' bytes against their indexes (an altered shard stops here, before any work)
-    fingerprint = _train_fingerprint(
-        shards, vocab_dir, target_path, {**cfg, "world_size": world, "loader_workers": None}, seed, max_seq_len
-    )
+    # runtime settings (loader workers, checkpoint interval: x-result false) change no weights
+    result_cfg = {k: v for k, v in cfg.items() if k not in runtime_keys("training")}
+    fingerprint = _train_fingerprint(shards, vocab_dir, target_path, {**result_cfg, "world_size": world}, seed, max_seq_len)
     if summary_path is not None:
         if ctx.rank == 0:  # outputs a killed snakemake's job finished, kept by the rerun's start (shard_job.keep_for_rerun)
             take_back_kept(
