@@ -120,6 +120,7 @@ def make_run(root: Path) -> tuple[list[dict], dict, Path]:
     config = {
         "run": "r",
         "seed": 0,
+        "generation": {"max_tokens": 8},
         "prompts": {"sources": [{"type": "file", "path": str(src)}], "turns": "first", "max_prompts": 10},
         "evaluation": {"prompts": {"type": "file", "path": str(ev)}},
         "training": {"epochs": 1, "lr": 0.001, "init_from": None},
@@ -226,6 +227,37 @@ def test_failed_checks_are_recorded(synthetic):
     m = build_manifest("results/r", jobs, config, str(target))
     failed = {c["check"] for c in m["checks"] if not c["ok"]}
     assert failed == {"drafter_vocab", "traces_from_target"}
+
+
+def _second_trace_shard(run: Path, jobs: list[dict], sampling: dict) -> None:
+    """A second trace shard beside make_run's, its first record sampled with ``sampling``."""
+    first = json.loads((run / "traces/shard-00000.jsonl").read_text())
+    (run / "traces/shard-00001.jsonl").write_text(json.dumps(first | {"id": "b", "sampling": sampling}) + "\n")
+    job = next(j for j in jobs if j["rule"] == "generate_traces")
+    jobs.append(job | {"wildcards": {"shard": "00001"}, "outputs": {"traces": ["results/r/traces/shard-00001.jsonl"]}})
+
+
+def test_one_sampling_setting_is_the_runs_not_each_requests(synthetic):
+    """Sampled shards' first records differ in their per-prompt seed and in a max_tokens lowered to
+    their prompt's room: still one sampling setting, the run's (with the configured max_tokens). A
+    different temperature in one shard fails the check and lists both."""
+    root, jobs, config, target = synthetic
+    run = root / "results" / "r"
+    sampled = {"seed": 0, "temperature": 0.7, "top_p": 0.9, "top_k": 0}
+    (run / "traces/shard-00000.jsonl").write_text(
+        json.dumps(
+            json.loads((run / "traces/shard-00000.jsonl").read_text()) | {"sampling": sampled | {"max_tokens": 8, "request_seed": 11}}
+        )
+        + "\n"
+    )
+    _second_trace_shard(run, jobs, sampled | {"max_tokens": 5, "request_seed": 99})
+    m = build_manifest("results/r", jobs, config, str(target))
+    assert m["identity"]["sampling"] == sampled | {"max_tokens": 8}
+    assert all(c["ok"] for c in m["checks"]), m["checks"]
+    _second_trace_shard(run, jobs[:-1], sampled | {"temperature": 1.0, "max_tokens": 8, "request_seed": 99})
+    m = build_manifest("results/r", jobs, config, str(target))
+    assert [c["check"] for c in m["checks"] if not c["ok"]] == ["one_sampling"]
+    assert m["identity"]["sampling"] == [sampled | {"max_tokens": 8}, sampled | {"temperature": 1.0, "max_tokens": 8}]
 
 
 def test_schema_rejects_a_broken_manifest(synthetic):

@@ -218,6 +218,12 @@ class ShardResult:
             )
 
 
+#: The keys of a trace record's ``sampling`` that are its request's, not the run's: ``max_tokens``
+#: (``generation.max_tokens``, lowered to the room its prompt leaves in ``max_seq_len``) and
+#: ``request_seed`` (sampled decoding's per-prompt seed); the other keys are the same for every
+#: record of a run (the manifest checks them across shards).
+REQUEST_SAMPLING_KEYS = ("max_tokens", "request_seed")
+
 #: A generation engine is kept fed with this many unfinished requests per running sequence
 #: slot (``max_num_seqs``): the next chunk's requests are added while fewer are unfinished, so
 #: the batch never drains between chunks.

@@ -371,12 +371,22 @@ def build_manifest(run_dir: str | os.PathLike, jobs: list[dict], config: dict, t
 
 def _identity(run: Path, config: dict, target_id: dict, artifacts: dict, external: dict, checks: list[dict]) -> dict:
     """The ``identity`` part: one place for what defines the run (module docstring)."""
+    from .generation import REQUEST_SAMPLING_KEYS
     from .prompts import sources_digest
 
     traces = sorted(k for k in artifacts if k.startswith("traces/") and k.endswith(".jsonl") and ".rejects." not in k)
     firsts = [r for r in (_first_record(run / t) for t in traces) if r is not None]
     engines = _distinct([r.get("engine") for r in firsts])
-    samplings = _distinct([r.get("sampling") for r in firsts])
+    # the run's sampling: each record's without its request's own values (a per-prompt seed, a
+    # max_tokens lowered to its prompt's room), with the configured max_tokens
+    samplings = _distinct(
+        [
+            {k: v for k, v in r["sampling"].items() if k not in REQUEST_SAMPLING_KEYS} | {"max_tokens": config["generation"]["max_tokens"]}
+            if isinstance(r.get("sampling"), dict)
+            else r.get("sampling")
+            for r in firsts
+        ]
+    )
     fingerprints = _distinct([(r.get("model") or {}).get("fingerprint") for r in firsts])
     checks.append(
         _check(
