@@ -131,7 +131,7 @@ def _lineage_jobs():
     # walked once per workflow: rule write_manifest asks twice (its input and its params)
     finals = [f for f in get_final_outputs() if f != layout.manifest()]
     wildcard_values = {"shard": SHARDS, "variant": list(VARIANTS)}
-    sources = partial(external_sources, config)
+    sources = partial(external_sources, config, VARIANTS)
     return lineage_jobs(workflow, rules, finals, wildcard_values, sources)
 
 

@@ -212,7 +212,16 @@ def test_every_path_the_rules_declare_comes_from_the_layout(tmp_path):
     root = Path(__file__).resolve().parents[1]
     sweep = tmp_path / "sweep.yaml"
     sweep.write_text(
-        yaml.safe_dump({"sweep": {"variants": {"ttt1": {"training": {"ttt_steps": 1}}, "v8": {"vocab": {"draft_vocab_size": 8192}}}}})
+        yaml.safe_dump(
+            {
+                "sweep": {
+                    "variants": {
+                        "ttt1": {"training": {"ttt_steps": 1, "init_from": str(tmp_path / "old-drafter")}},
+                        "v8": {"vocab": {"draft_vocab_size": 8192}},
+                    }
+                }
+            }
+        )
     )
     with SnakemakeApi(OutputSettings(quiet={Quietness.ALL})) as api:
         wf = api.workflow(
@@ -249,12 +258,19 @@ def test_every_path_the_rules_declare_comes_from_the_layout(tmp_path):
         # the manifest's jobs: those the final outputs need, a variant's only where it has its own files
         jobs = wf.globals["get_lineage_jobs"]()
         assert [(j["rule"], j["wildcards"]) for j in jobs if "variant" in j["wildcards"]] == [
+            ("build_vocab_mapping_variant", {"variant": "ttt1"}),  # a warm start's vocab is its drafter's
             ("build_vocab_mapping_variant", {"variant": "v8"}),
             ("train_drafter_variant", {"variant": "ttt1"}),
             ("train_drafter_variant", {"variant": "v8"}),
             ("evaluate_drafter_variant", {"variant": "ttt1"}),
             ("evaluate_drafter_variant", {"variant": "v8"}),
         ]
+        # a variant's warm-start drafter is a source of its own vocab and training jobs, no other's
+        old = {"type": "drafter", "path": str(tmp_path / "old-drafter")}
+        assert {(j["rule"], j["wildcards"].get("variant")) for j in jobs if old in j["sources"]} == {
+            ("build_vocab_mapping_variant", "ttt1"),
+            ("train_drafter_variant", "ttt1"),
+        }
         assert [j["rule"] for j in jobs if not j["wildcards"]] == [
             "prepare_target_model", "prepare_prompts", "prepare_eval_prompts", "build_vocab_mapping", "train_drafter",
             "evaluate_drafter", "summarize_run", "plot_run", "sweep_table",

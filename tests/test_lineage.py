@@ -352,8 +352,11 @@ def test_lineage_jobs_are_the_jobs_the_targets_need_from_the_rules_declared_file
         ),
         report=SimpleNamespace(input=files(), output=files()),  # no outputs (like rule all): never a job
     )
-    workflow = SimpleNamespace(rules=[SimpleNamespace(name=n) for n in vars(rules)])
-    jobs = lineage_jobs(workflow, rules, ["r/sweep/a/drafter"], {"shard": ["0", "1"], "variant": ["a", "b"]}, lambda name: [{"rule": name}])
+    # a variant's rule runs its stage's script: its sources are asked by that stage, with its wildcards
+    workflow = SimpleNamespace(rules=[SimpleNamespace(name=n, script="s/train.py" if n == "train_v" else None) for n in vars(rules)])
+    jobs = lineage_jobs(
+        workflow, rules, ["r/sweep/a/drafter"], {"shard": ["0", "1"], "variant": ["a", "b"]}, lambda stage, wc: [{"stage": stage} | wc]
+    )
     assert [(j["rule"], j["wildcards"]) for j in jobs] == [
         ("model", {}),
         ("shard", {"shard": "0"}),
@@ -363,7 +366,7 @@ def test_lineage_jobs_are_the_jobs_the_targets_need_from_the_rules_declared_file
     ]
     train = jobs[-1]
     assert train["inputs"] == {"shards": ["r/s-0.st", "r/s-1.st"], "d2t": ["r/sweep/a/d2t.npy"]}
-    assert train["outputs"] == {"drafter": ["r/sweep/a/drafter"]} and train["sources"] == [{"rule": "train_v"}]
+    assert train["outputs"] == {"drafter": ["r/sweep/a/drafter"]} and train["sources"] == [{"stage": "train", "variant": "a"}]
     assert jobs[0]["outputs"] == {"": ["m"]} and jobs[1]["inputs"] == {"model": ["m"]}
     # the manifest's inputs: every output of those jobs, once each
     from eagle3_pipeline.lineage import lineage_outputs
@@ -384,10 +387,18 @@ def test_lineage_jobs_are_the_jobs_the_targets_need_from_the_rules_declared_file
 def test_external_sources_are_what_a_rule_reads_by_config():
     from eagle3_pipeline.config import validate_config
     from eagle3_pipeline.lineage import external_sources
+    from eagle3_pipeline.sweep import variant_configs
 
-    cfg = validate_config({"training": {"init_from": "old/drafter"}})
+    cfg = validate_config(
+        {"training": {"init_from": "old/drafter"}, "sweep": {"variants": {"v": {"training": {"init_from": "v/drafter"}}}}}
+    )
+    variants = variant_configs(cfg)
     prompts = cfg["prompts"]["sources"]
-    assert external_sources(cfg, "prepare_prompts") == [*prompts, {"type": "builtin_mtbench"}]
-    assert external_sources(cfg, "train_drafter") == [{"type": "drafter", "path": "old/drafter"}]
-    assert external_sources(cfg, "prepare_target_model") == [{"type": "builtin_target"}]
-    assert external_sources(validate_config({}), "build_vocab_mapping") == [] == external_sources(cfg, "summarize_run")
+    assert external_sources(cfg, variants, "prepare_prompts") == [*prompts, {"type": "builtin_mtbench"}]
+    assert external_sources(cfg, variants, "train_drafter") == [{"type": "drafter", "path": "old/drafter"}]
+    # a variant's job reads its own warm start
+    assert external_sources(cfg, variants, "train_drafter", {"variant": "v"}) == [{"type": "drafter", "path": "v/drafter"}]
+    assert external_sources(cfg, variants, "build_vocab_mapping", {"variant": "v"}) == [{"type": "drafter", "path": "v/drafter"}]
+    assert external_sources(cfg, variants, "prepare_target_model") == [{"type": "builtin_target"}]
+    plain = validate_config({})
+    assert external_sources(plain, {}, "build_vocab_mapping") == [] == external_sources(cfg, variants, "summarize_run")

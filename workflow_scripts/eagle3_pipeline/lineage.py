@@ -261,20 +261,29 @@ def _distinct(values: list) -> list:
     return out
 
 
-def external_sources(config: dict, rule: str) -> list[dict]:
-    """The files outside the workflow's outputs that a job of ``rule`` reads, as source descriptions
-    (:func:`source_file`): the embedded target's package, the prompt and evaluation sources, a
-    warm-start drafter (``training.init_from``). Snakemake does not know them: they are no declared
-    input (a rule reads them by config)."""
-    init = config["training"]["init_from"]
+def external_sources(config: dict, variants: dict[str, dict], stage: str, wildcards: dict | None = None) -> list[dict]:
+    """The files outside the workflow's outputs that a job of ``stage`` reads, as source
+    descriptions (:func:`source_file`): the embedded target's package, the prompt and evaluation
+    sources, a warm-start drafter (``training.init_from``). Snakemake does not know them: they are
+    no declared input (a rule reads them by config).
+
+    Args:
+        config: the run's validated config.
+        variants: each sweep variant's config (:func:`eagle3_pipeline.sweep.variant_configs`).
+        stage: the job's stage (:func:`eagle3_pipeline.snakemake_adapter.rule_stage`: a sweep
+            variant's rule is its stage's, e.g. ``train_drafter`` for ``train_drafter_variant``).
+        wildcards: the job's; a job with a ``variant`` reads by that variant's config.
+    """
+    cfg = variants[wildcards["variant"]] if wildcards and "variant" in wildcards else config
+    init = cfg["training"]["init_from"]
     warm_start = [{"type": "drafter", "path": init}] if init else []
     return {
         "prepare_target_model": [{"type": "builtin_target"}],
-        "prepare_prompts": config["prompts"]["sources"] + [config["evaluation"]["prompts"]],
-        "prepare_eval_prompts": [config["evaluation"]["prompts"]],
+        "prepare_prompts": cfg["prompts"]["sources"] + [cfg["evaluation"]["prompts"]],
+        "prepare_eval_prompts": [cfg["evaluation"]["prompts"]],
         "build_vocab_mapping": warm_start,
         "train_drafter": warm_start,
-    }.get(rule, [])
+    }.get(stage, [])
 
 
 # --------------------------------------------------------------------------- the manifest

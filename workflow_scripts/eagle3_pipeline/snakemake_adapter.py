@@ -516,8 +516,8 @@ def lineage_jobs(workflow, rules, targets: list[str], wildcard_values: dict[str,
             wildcard constraints).
         targets: the files the run makes.
         wildcard_values: every value of each wildcard (``{"shard": [...], "variant": [...]}``).
-        sources: ``sources(rule name)``: the files outside the workflow a rule reads, as source
-            descriptions.
+        sources: ``sources(stage, wildcards)``: the files outside the workflow a job of that
+            stage (:func:`rule_stage`) reads, as source descriptions.
     """
     candidates = []
     for rule in workflow.rules:
@@ -528,18 +528,18 @@ def lineage_jobs(workflow, rules, targets: list[str], wildcard_values: dict[str,
         names = sorted({n for f in outputs for n in re.findall(r"\{(\w+)\}", f)})
         for values in itertools.product(*(wildcard_values[n] for n in names)):
             wc = dict(zip(names, values, strict=True))
-            candidates.append((rule.name, proxy, wc, _declared_paths(proxy.output, wc)))
+            candidates.append((rule, proxy, wc, _declared_paths(proxy.output, wc)))
     needed, chosen = set(targets), {}
     while True:
         new = [i for i, (*_, outs) in enumerate(candidates) if i not in chosen and any(p in needed for ps in outs.values() for p in ps)]
         if not new:
             break
         for i in new:
-            name, proxy, wc, _outs = candidates[i]
+            _rule, proxy, wc, _outs = candidates[i]
             chosen[i] = _declared_paths(proxy.input, wc)
             needed |= {p for ps in chosen[i].values() for p in ps}
     return [
-        {"rule": name, "wildcards": wc, "inputs": chosen[i], "outputs": outs, "sources": sources(name)}
-        for i, (name, _proxy, wc, outs) in enumerate(candidates)
+        {"rule": rule.name, "wildcards": wc, "inputs": chosen[i], "outputs": outs, "sources": sources(rule_stage(rule), wc)}
+        for i, (rule, _proxy, wc, outs) in enumerate(candidates)
         if i in chosen
     ]
