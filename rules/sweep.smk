@@ -15,8 +15,7 @@ use rule build_vocab_mapping as build_vocab_mapping_variant with:
         coverage=VARIANT.coverage(),
     log:
         VARIANT.log("build_vocab_mapping"),
-    params:
-        trust_remote_code=config["target"]["trust_remote_code"],
+    params:  # each param not named here is the run rule's (Snakemake merges keyword params)
         draft_vocab_size=lambda w: VARIANTS[w.variant]["vocab"]["draft_vocab_size"],
         init_from=lambda w: VARIANTS[w.variant]["training"]["init_from"],
         init_identity=lambda w: get_init_drafter_identity(VARIANTS[w.variant]),
@@ -36,13 +35,9 @@ use rule train_drafter as train_drafter_variant with:
     benchmark:
         VARIANT.benchmark("train_drafter")
     priority: VARIANT_TRAIN_PRIORITY
-    params:
-        trust_remote_code=config["target"]["trust_remote_code"],
+    params:  # each param not named here is the run rule's
         training=lambda w: settings.result_settings(VARIANTS[w.variant], "training"),
         init_identity=lambda w: get_init_drafter_identity(VARIANTS[w.variant]),
-        train_processes=TRAIN_PROCESSES,
-        seed=config["seed"],
-        max_seq_len=config["max_seq_len"],
 
 
 use rule evaluate_drafter as evaluate_drafter_variant with:
@@ -59,16 +54,12 @@ use rule evaluate_drafter as evaluate_drafter_variant with:
     benchmark:
         VARIANT.benchmark("evaluate_drafter")
     priority: VARIANT_EVAL_PRIORITY
-    params:
-        trust_remote_code=config["target"]["trust_remote_code"],
+    params:  # each param not named here is the run rule's
         evaluation=lambda w: VARIANTS[w.variant]["evaluation"],
         num_speculative_tokens=lambda w: settings.num_speculative_tokens(
             VARIANTS[w.variant]
         ),
-        generation=GENERATION_PARAMS,
         vllm=lambda w: settings.evaluation_vllm(VARIANTS[w.variant], VLLM_PARAMS),
-        seed=config["seed"],
-        max_seq_len=config["max_seq_len"],
 
 
 # One table of tau and training cost: the run's drafter and every variant's.

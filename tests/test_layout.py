@@ -255,6 +255,16 @@ def test_every_path_the_rules_declare_comes_from_the_layout(tmp_path):
             "train_drafter_variant": "train_drafter",
             "evaluate_drafter_variant": "evaluate_drafter",
         }
+        # a variant's rule has every param of the run's rule; those its sweep.smk does not set are the run's own
+        by_name = {r.name: r for r in wf.rules}
+        for name in ("build_vocab_mapping_variant", "train_drafter_variant", "evaluate_drafter_variant"):
+            mine, base = dict(by_name[name].params.items()), dict(by_name[name.removesuffix("_variant")].params.items())
+            assert list(mine) == list(base), name
+            assert [k for k in base if mine[k] is not base[k] and mine[k] != base[k]] == {
+                "build_vocab_mapping_variant": ["draft_vocab_size", "init_from", "init_identity"],
+                "train_drafter_variant": ["training", "init_identity"],
+                "evaluate_drafter_variant": ["evaluation", "num_speculative_tokens", "vllm"],
+            }[name]
         # the manifest's jobs: those the final outputs need, a variant's only where it has its own files
         jobs = wf.globals["get_lineage_jobs"]()
         assert [(j["rule"], j["wildcards"]) for j in jobs if "variant" in j["wildcards"]] == [
