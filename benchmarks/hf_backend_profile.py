@@ -31,7 +31,9 @@ tokens (the range of ``vs_speculators.py``'s ShareGPT samples), and times on the
   (CUDA set-up), to be run under the variables of ``COLD_START_ENV`` and in a second process;
   ``--fill-host-pool N`` first fills torch's pinned host pool with N buffers of each size the
   batches take (``fill_host_pool``), ``--cold-profile`` runs each job under ``torch.profiler``
-  (device time per kernel class, and the host calls with most time);
+  (device time per kernel class, and the host calls with most time); ``--cudnn-attention`` lets
+  the jobs use cuDNN's attention, which ``hf_backend.attention_backends`` leaves out; then
+  ``padded_error`` of the first batch under the jobs' attention backends;
 * ``packed_<attn>`` (``--packed sdpa flex_attention``): the decoder over padding-free rows of up
   to ``batch_tokens`` tokens, samples back to back with positions restarting at 0, which
   transformers masks per sample in that attention implementation (flex attention skips the
@@ -246,7 +248,15 @@ def host_copy(batch_tokens: int, layers: int, hidden: int, rounds: int = 3) -> d
 
 
 def job_writes(
-    model, samples, layer_ids: list[int], batch_tokens: int, folder: Path, way: str, chunk: int = 64, per_batch: bool = False
+    model,
+    samples,
+    layer_ids: list[int],
+    batch_tokens: int,
+    folder: Path,
+    way: str,
+    chunk: int = 64,
+    per_batch: bool = False,
+    backends: list | None = None,
 ) -> dict:
     """The extraction job's loop over ``samples`` in chunks of ``chunk``, its states written into a
     fresh shard in ``folder``: ``per_chunk`` (the job before ``BatchWriter``: ``extract_hf`` per
@@ -254,7 +264,8 @@ def job_writes(
     now). Returns seconds from the first forward to the last byte written (the shard created
     before), and the writer's figures for ``batch_writer``; ``per_batch`` (``batch_writer``): also
     ``batches``, each batch's ``[rows, longest sample's tokens, main-thread seconds]`` (from the
-    previous batch handed to the writer to this one)."""
+    previous batch handed to the writer to this one); ``backends``: the attention backends
+    (``prefill_batches``' default where None)."""
     import shutil
     from concurrent.futures import ThreadPoolExecutor
 
@@ -292,7 +303,9 @@ def job_writes(
             writer = BatchWriter(shard, store, rows, len(ranges))
             trace, last = [], t
             for i, (a, b) in enumerate(ranges):
-                for hb in prefill_batches(model, samples[a:b], layer_ids, batch_tokens=batch_tokens, storage_dtype=torch.bfloat16):
+                for hb in prefill_batches(
+                    model, samples[a:b], layer_ids, batch_tokens=batch_tokens, storage_dtype=torch.bfloat16, backends=backends
+                ):
                     writer.batch(hb, a)
                     now = time.perf_counter()
                     trace.append([len(hb.lengths), hb.lengths[0], round(now - last, 3)])
@@ -396,15 +409,29 @@ def measure(args, results: phases.Results) -> None:
             results.inline(
                 "fill_host_pool", lambda: fill_host_pool(samples, bt, len(layer_ids), model.config.hidden_size, args.fill_host_pool)
             )
+        from torch.nn.attention import sdpa_kernel
+
+        from eagle3_pipeline.hf_backend import attention_backends
+
+        backends = attention_backends(cudnn=args.cudnn_attention)
         for name in ("cold_job", "second_job"):
 
             def job() -> dict:
-                run = lambda: job_writes(model, samples, layer_ids, bt, Path(args.cold), "batch_writer", per_batch=True)  # noqa: E731
+                run = lambda: job_writes(model, samples, layer_ids, bt, Path(args.cold), "batch_writer", per_batch=True, backends=backends)  # noqa: E731
                 got, prof = profiled_span(run, device) if args.cold_profile else (run(), None)
                 out = rate(got.pop("seconds")) | got | {"env": {k: os.environ.get(k) for k in COLD_START_ENV}}
                 return out | (host_calls(prof) | phases.kernel_classes(prof, out["seconds"]) if prof else {})
 
             results.inline(f"{name}_bt{bt}", job)
+
+        def parity() -> dict:
+            with sdpa_kernel(backends):
+                return {
+                    "backends": [b.name for b in backends],
+                    "max_rel_error_vs_batch1": round(padded_error(model, samples, bt, device), 5),
+                }
+
+        results.inline("padded_error", parity)
         return
 
     def timed(fn, warm_up) -> dict:
@@ -529,6 +556,11 @@ def main() -> None:
         default=0,
         metavar="N",
         help="with --cold: first allocate and free N pinned buffers of each power-of-two size the job's batches take",
+    )
+    ap.add_argument(
+        "--cudnn-attention",
+        action="store_true",
+        help="with --cold: the jobs may use cuDNN's attention (as torch chooses), which the backend leaves out by default",
     )
     ap.add_argument(
         "--cold-profile",

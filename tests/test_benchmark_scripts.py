@@ -423,7 +423,10 @@ def test_the_hf_backend_profile_cold_mode_times_each_batch_of_two_jobs(tmp_path)
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     m = json.loads(out.read_text())["phases"]
-    assert set(m) == {"setup", "fill_host_pool", "cold_job_bt256", "second_job_bt256"}
+    assert set(m) == {"setup", "fill_host_pool", "cold_job_bt256", "second_job_bt256", "padded_error"}
+    # the jobs' attention backends, cuDNN's left out, and the first batch's states against batch 1 under them
+    assert m["padded_error"]["backends"] == ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"]
+    assert 0 < m["padded_error"]["max_rel_error_vs_batch1"] < 0.02
     rng = np.random.default_rng(0)
     lengths = []
     for _ in range(6):  # make_samples' draws

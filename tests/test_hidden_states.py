@@ -34,6 +34,35 @@ def samples(tokenizer):
     return out
 
 
+def test_the_forwards_leave_cudnn_attention_out_unless_asked(model, samples):
+    """prefill_batches runs each forward with cuDNN's attention disabled (its per-shape plans cost
+    more than its kernels save on a job's padded batches), restores torch's setting after it, and
+    allows it where the caller passes backends that include it; the states do not change on a CPU."""
+    from eagle3_pipeline.hf_backend import attention_backends, prefill_batches
+
+    seen = []
+    hook = model.model.register_forward_pre_hook(lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    try:
+        before = torch.backends.cuda.cudnn_sdp_enabled()
+        runs = {}
+        for cudnn in (False, True):
+            seen.clear()
+            hbs = prefill_batches(
+                model,
+                samples,
+                [1, 2],
+                batch_tokens=40,
+                storage_dtype=torch.float32,
+                backends=attention_backends(cudnn=cudnn) if cudnn else None,
+            )
+            runs[cudnn] = [x.clone() for hb in hbs for _, x in hb.rows()]
+            assert seen == [cudnn] * len(make_batches([len(s.input_ids) for s in samples], 40)) and len(seen) > 1
+            assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    finally:
+        hook.remove()
+    assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True], strict=True))
+
+
 def test_make_batches_groups_by_length():
     assert make_batches([5, 100, 7, 90], 200) == [[1, 3], [2, 0]]
     assert make_batches([300, 10], 200) == [[0], [1]]  # oversize sample alone

@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .runtime import progress
 from .shards import DONE_SUFFIX, FP8, STORAGE_DTYPES, RowsWritten, Sample, ShardWriter, mark_chunk_done
@@ -177,8 +178,26 @@ class HostBatch:
         return [(i, self.states[r, :n]) for r, (i, n) in enumerate(zip(self.indices, self.lengths, strict=True))]
 
 
+def attention_backends(cudnn: bool = False) -> list:
+    """The scaled-dot-product attention backends the ``hf`` backend's forwards may use
+    (``torch.nn.attention.sdpa_kernel``): flash, memory-efficient and math, and cuDNN's only where
+    ``cudnn``. cuDNN's attention (torch's choice for a masked bf16 forward on an H100) builds an
+    execution plan on the host for each new batch shape, and a job's padded batches rarely repeat
+    a shape: on an H100, 8B shape, it left the GPU idle 29% of a job (2.6 s of host time over 36
+    batches), and a job of 768 samples ran 6-7% longer with it than without it, though its
+    kernels are 7% faster once a shape repeats (``benchmarks/results/hf_attention_backends_h100.json``)."""
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH] + ([SDPBackend.CUDNN_ATTENTION] if cudnn else [])
+
+
 def prefill_batches(
-    model, samples: Sequence[Sample], layer_ids: Sequence[int], *, batch_tokens: int, storage_dtype: torch.dtype, bar=None
+    model,
+    samples: Sequence[Sample],
+    layer_ids: Sequence[int],
+    *,
+    batch_tokens: int,
+    storage_dtype: torch.dtype,
+    bar=None,
+    backends: list | None = None,
 ) -> Iterator[HostBatch]:
     """Prefill ``samples`` through a transformers model in length-sorted padded batches
     (:func:`make_batches`, :func:`pad_batch`), capturing ``layer_ids`` (:class:`LayerCapture`).
@@ -189,7 +208,8 @@ def prefill_batches(
     the next is computed. The caller bounds how many batches it holds (each holds its buffer) and
     calls :meth:`HostBatch.wait` before reading one. On the CPU the states are ready at once.
     ``bar``: a progress bar (:func:`eagle3_pipeline.runtime.progress`) advanced by each batch's
-    tokens, e.g. the whole job's; by default one of these samples' own.
+    tokens, e.g. the whole job's; by default one of these samples' own. ``backends``: the
+    attention backends the forwards may use (default :func:`attention_backends`).
 
     Yields:
         :class:`HostBatch` per batch, in :func:`make_batches` order.
@@ -207,7 +227,8 @@ def prefill_batches(
             if gpu:  # from pinned memory the copies need not wait for the batch before
                 ids, attn = ids.pin_memory(), attn.pin_memory()
             attn = attn.to(device, non_blocking=gpu)
-            model.model(input_ids=ids.to(device, non_blocking=gpu), attention_mask=attn, use_cache=False)
+            with sdpa_kernel(backends or attention_backends()):
+                model.model(input_ids=ids.to(device, non_blocking=gpu), attention_mask=attn, use_cache=False)
             states = cap.stacked()  # [B, T, L, H]
             cap.captured.clear()
             bad = ((~torch.isfinite(states).flatten(2).all(-1)) & attn.bool()).any(-1)  # [B]
