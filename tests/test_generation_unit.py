@@ -795,6 +795,50 @@ def test_a_training_loss_speculators_does_not_know_stops_the_run_at_its_start():
     assert snakemake_adapter.problem_at_start([{"rule": "generate_traces"}], validate_config({"training": {"loss": "foo"}}), None) is None
 
 
+def test_a_warm_start_drafter_that_does_not_fit_stops_the_run_at_its_start(tmp_path):
+    """training.init_from's drafter keeps its draft vocab and aux layer ids: a size or ids unlike the
+    run's failed in build_vocab_mapping's or train_drafter's job, after generation (and extraction);
+    now the run's start names the setting to change, for the run's training and a variant's."""
+    from eagle3_pipeline import snakemake_adapter
+    from eagle3_pipeline.conventions import default_aux_layer_ids
+    from eagle3_pipeline.io import InputError
+    from eagle3_pipeline.target_model import BUILTIN_CONFIG
+
+    old = tmp_path / "old"
+    old.mkdir()
+    embedded = default_aux_layer_ids(BUILTIN_CONFIG["num_hidden_layers"])  # [2, 15, 27]
+    (old / "config.json").write_text(json.dumps({"draft_vocab_size": 4096, "eagle_aux_hidden_state_layer_ids": embedded}))
+    vocab = {"rule": "build_vocab_mapping", "stage": "build_vocab_mapping", "wildcards": {}}
+    train = {"rule": "train_drafter", "stage": "train_drafter", "wildcards": {}}
+
+    def why(jobs, **cfg):
+        return snakemake_adapter.problem_at_start(jobs, validate_config(cfg), None)
+
+    fits = {"training": {"init_from": str(old)}, "vocab": {"draft_vocab_size": 4096}}
+    assert why([vocab, train], **fits) is None
+    assert why([vocab, train], training={"init_from": str(old)}, vocab={"draft_vocab_size": 8192}) == (
+        f"training.init_from={old} has a draft vocab of 4096, this run 8192: a warm start keeps its drafter's "
+        "vocabulary; set vocab.draft_vocab_size: 4096"
+    )
+    other = fits | {"extraction": {"aux_layer_ids": [1, 2, 3]}}
+    assert why([vocab], **other) is None  # the vocab job does not read aux ids
+    assert why([train], **other) == (
+        f"training.init_from={old} uses aux layer ids {embedded}, the drafter to train would use [1, 2, 3]; "
+        f"set training.aux_layer_ids (or extraction.aux_layer_ids) to {embedded}"
+    )
+    assert why([train], **(other | {"training": {"init_from": str(old), "aux_layer_ids": embedded}})) is None
+    # a variant's own warm start, checked by its own settings
+    variant = {"rule": "train_drafter_variant", "stage": "train_drafter", "wildcards": {"variant": "w"}}
+    sweep = {
+        "sweep": {"variants": {"w": {"training": {"init_from": str(old), "aux_layer_ids": [2, 15]}, "vocab": {"draft_vocab_size": 4096}}}}
+    }
+    assert why([train], **sweep) is None
+    assert why([train, variant], **sweep).startswith(f"sweep.variants.w.training.init_from={old} uses aux layer ids {embedded}")
+    (old / "config.json").write_text("{")
+    with pytest.raises(InputError, match=r"config.json"):
+        why([train], **fits)
+
+
 def _engine(lengths, prompt_lens, slots, prog, clock, prefill_cost, decode_cost, budget=2048):
     """Drive ``prog`` as a vLLM engine with chunked prefill would: it holds up to ``slots``
     requests; each step spends its ``budget`` tokens on one token for every decoding request,

@@ -373,9 +373,64 @@ def training_loss_problem(jobs: list[dict], config: dict) -> str | None:
     return None
 
 
+def warm_start_problem(jobs: list[dict], config: dict, target_dir: str | None) -> str | None:
+    """Why a pending vocab or training job's warm-start drafter (``training.init_from``, the run's
+    or its sweep variant's) does not fit the run's settings, or None: its draft vocab size is not
+    ``vocab.draft_vocab_size`` (the vocab job keeps the drafter's vocabulary and refuses another
+    size), or its aux layer ids are not those its training would use (``training.aux_layer_ids``,
+    else the extracted ones: ``extraction.aux_layer_ids`` or the target's default). Both jobs
+    check again; this says so before generation and extraction run, which on a large target
+    take hours. ``target_dir``: None for the embedded target (its known layer count).
+
+    Raises:
+        InputError: the drafter's ``config.json`` cannot be read (names the file).
+    """
+    from .conventions import default_aux_layer_ids
+    from .sweep import variant_configs
+    from .target_model import BUILTIN_CONFIG, num_hidden_layers, read_config_json
+
+    variants = None
+    for j in jobs:
+        stage = j.get("stage", j["rule"])
+        if stage not in ("build_vocab_mapping", "train_drafter"):
+            continue
+        v = j.get("wildcards", {}).get("variant")
+        if v and variants is None:
+            variants = variant_configs(config)
+        cfg, key = (variants[v], f"sweep.variants.{v}.") if v else (config, "")
+        init = cfg["training"]["init_from"]
+        if not init:
+            continue
+        drafter = read_config_json(init)
+        size = drafter.get("draft_vocab_size")
+        if size != cfg["vocab"]["draft_vocab_size"]:
+            return (
+                f"{key}training.init_from={init} has a draft vocab of {size}, this run {cfg['vocab']['draft_vocab_size']}: "
+                f"a warm start keeps its drafter's vocabulary; set {key}vocab.draft_vocab_size: {size}"
+            )
+        if stage != "train_drafter":
+            continue
+        aux = cfg["training"]["aux_layer_ids"] or cfg["extraction"]["aux_layer_ids"]
+        if aux is None:
+            n = (
+                BUILTIN_CONFIG["num_hidden_layers"]
+                if target_dir is None
+                else num_hidden_layers(target_dir, config["target"]["trust_remote_code"])
+            )
+            aux = default_aux_layer_ids(n)
+        own = drafter.get("eagle_aux_hidden_state_layer_ids")
+        if list(own or []) != list(aux):
+            return (
+                f"{key}training.init_from={init} uses aux layer ids {own}, the drafter to train would use {list(aux)}; "
+                f"set {key}training.aux_layer_ids (or extraction.aux_layer_ids) to {own}"
+            )
+    return None
+
+
 def problem_at_start(jobs: list[dict], config: dict, target_dir: str | None) -> str | None:
     """Why a run of ``jobs`` (as :func:`needrun_jobs` lists them) would be refused at its start, or
     None: a pending training job's loss speculators does not know (:func:`training_loss_problem`);
+    a pending vocab or training job's warm-start drafter that does not fit (:func:`warm_start_problem`);
     when a ``generate_traces`` job is among them,
     :func:`eagle3_pipeline.target_model.tokenizer_problem` (the tokenizer renders a chat prompt)
     and :func:`eagle3_pipeline.engine.check_eagle3_target` as generation's job runs it (vLLM's model
@@ -387,6 +442,8 @@ def problem_at_start(jobs: list[dict], config: dict, target_dir: str | None) -> 
     machine where vLLM finds no platform (a cluster's login node without GPUs, where its model
     config is not the GPU node's). Importing vLLM takes 5-8 s."""
     if (why := training_loss_problem(jobs, config)) is not None:
+        return why
+    if (why := warm_start_problem(jobs, config, target_dir)) is not None:
         return why
     if target_dir is None or not any(j["rule"] == "generate_traces" for j in jobs):
         return None
