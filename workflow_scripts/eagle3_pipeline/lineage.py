@@ -28,7 +28,7 @@ has four parts:
     Cross-checks made while writing: the traces were generated from this target (their
     recorded fingerprint is the target's), one engine and one sampling setting across
     trace shards, the drafter's ``d2t``/``t2d`` equal the vocab files, the drafter's aux
-    layer ids equal the shards'. A failed check is recorded (``ok: false``) and logged; it
+    layer ids are among the shards' (all of them, or ``training.aux_layer_ids``). A failed check is recorded (``ok: false``) and logged; it
     does not stop the run.
 
 How each ``sha256`` is obtained (``hash``):

@@ -458,7 +458,8 @@ class Decontaminator:
 
     A user turn is contaminated when its normalized words equal an evaluation turn's,
     or when they share a 13-word n-gram with one (the GPT-3 paper's decontamination
-    rule; evaluation turns shorter than 13 words are matched whole, as a phrase).
+    rule). An evaluation turn of 4 to 12 words is matched whole, as a phrase inside a user turn;
+    one of 1 to 3 words ("Hi") only exactly, as it would match most prompts as a phrase.
     """
 
     def __init__(self, eval_texts: Iterable[tuple[str, str]], n: int = DECONTAMINATION_NGRAM):
