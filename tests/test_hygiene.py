@@ -62,9 +62,27 @@ def test_a_killed_holder_releases_the_lock(tmp_path):
 
 
 def test_disabled_lock_does_not_block(tmp_path, monkeypatch):
+    """A disabled lock (cluster jobs) neither waits for the lock's holder nor touches the lock
+    directory; the enabled one waits (checked in a thread, so that a broken lock fails, not hangs)."""
+    import threading
+
     monkeypatch.setenv("EAGLE3_LOCK_DIR", str(tmp_path / "locks"))
-    with host_lock(), host_lock(enabled=False):
-        pass
+    with host_lock(enabled=False):
+        assert not (tmp_path / "locks").exists()
+
+    def nested(enabled: bool, done: list) -> None:
+        with host_lock(enabled=enabled, poll_seconds=0.1):
+            done.append(enabled)
+
+    with host_lock():  # held here: flock excludes another open file description, in this process too
+        done: list = []
+        for enabled in (False, True):
+            t = threading.Thread(target=nested, args=(enabled, done), daemon=True)
+            t.start()
+            t.join(2)
+        assert done == [False]  # the disabled one went through; the enabled one waits
+    t.join(5)
+    assert done == [False, True]  # and goes through once the lock is free
 
 
 def test_disk_preflight_refuses_with_both_numbers(tmp_path, monkeypatch):
