@@ -287,17 +287,25 @@ def test_layer_ids_agree_with_vllm_convention():
     checks extraction against transformers' output_hidden_states[k] for each id)."""
     from types import SimpleNamespace
 
-    from vllm.model_executor.models.interfaces import EagleModelMixin
+    from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsEagle3
     from vllm.model_executor.models.llama import LlamaModel
 
-    assert issubclass(LlamaModel, EagleModelMixin)  # the target family's vLLM model uses this hook
+    from eagle3_pipeline.conventions import default_aux_layer_ids
 
-    fake = SimpleNamespace(aux_hidden_state_layers=(2, 15, 27))
+    assert issubclass(LlamaModel, EagleModelMixin)  # the target family's vLLM model uses this hook
+    # our default aux ids are vLLM's for a model of n layers (what a served drafter without ids gets)
+    for n in (7, 30, 32, 61):
+        vllm_default = SupportsEagle3.get_eagle3_default_aux_hidden_state_layers(SimpleNamespace(model=SimpleNamespace(layers=[None] * n)))
+        assert tuple(default_aux_layer_ids(n)) == vllm_default, n
+
+    aux = default_aux_layer_ids(30)  # the embedded target's: [2, 15, 27]
+    fake = SimpleNamespace(aux_hidden_state_layers=tuple(aux))
     h, r = torch.ones(3), torch.full((3,), 2.0)
     got = []
     for layer_idx in range(31):  # vLLM calls it with start_layer, then idx + 1 after each layer
         EagleModelMixin._maybe_add_hidden_state(fake, got, layer_idx, h * layer_idx, r)
-    assert [int(x[0].item()) for x in got] == [2 * 1 + 2, 15 + 2, 27 + 2]
+    # id k is taken when layer_idx == k, before layer k runs: the stream entering it
+    assert [int(x[0].item()) for x in got] == [k * 1 + 2 for k in aux]
 
 
 def test_checkpoint_layer_ids_are_what_vllm_reads(tmp_path, target_dir):
