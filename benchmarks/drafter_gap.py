@@ -264,7 +264,7 @@ def tensors_job(job: dict) -> dict:
     from vllm.inputs import TokensPrompt
     from vllm.model_executor.models import llama_eagle3
 
-    from eagle3_pipeline.conventions import loss_mask
+    from eagle3_pipeline.conventions import draft_to_target, loss_mask
     from eagle3_pipeline.engine import build_llm, shutdown_llm
     from eagle3_pipeline.hf_backend import extract_hf, load_hf_target
     from eagle3_pipeline.shards import Sample
@@ -348,7 +348,7 @@ def tensors_job(job: dict) -> dict:
     with torch.no_grad(), torch.autocast(device.split(":")[0], dtype=autocast, enabled=autocast is not None):
         drafter(**batch, ttt_steps=k)
     hook.remove()
-    target_ids = torch.from_numpy(np.arange(len(d2t)) + d2t)  # draft index -> target id
+    target_ids = torch.from_numpy(draft_to_target(d2t))  # draft index -> target id
 
     def bf16_steps(a: torch.Tensor, b: torch.Tensor) -> float:
         """Largest |a - b| in bf16 steps at the row's largest value (2^-8 of max |b|: bf16 keeps 8 significant bits)."""

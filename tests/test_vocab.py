@@ -138,3 +138,19 @@ def test_a_draft_vocabulary_changed_on_disk_is_refused_before_training_reads_it(
     other[ids[0]], other[np.flatnonzero(~t2d)[0]] = False, True  # as many ids marked, one of them another
     assert mapping_problem(d2t, other) == "t2d marks 64 target ids, not the 64 that d2t maps to"
     assert "not int [N] and bool [V]" in mapping_problem(d2t.astype(np.float32), t2d)
+
+
+def test_draft_to_target_is_the_offset_convention_speculators_builds():
+    """d2t holds offsets: draft index i is target id i + d2t[i]. Checked on a hand-made mapping and
+    against the target ids speculators' builder marks in t2d, for every draft index and for a
+    [k, T] array of drafts."""
+    from eagle3_pipeline.conventions import draft_to_target
+
+    targets = np.array([3, 7, 9])
+    d2t = targets - np.arange(3)  # [3, 6, 7]
+    assert draft_to_target(d2t).tolist() == [3, 7, 9]
+    assert draft_to_target(d2t, np.array([[2, 0], [1, 1]])).tolist() == [[9, 3], [7, 7]]
+    d2t, t2d = build_vocab_mappings_from_distribution({4: 5, 11: 9, 12: 1, 30: 7, 49: 3}, 4, 50)
+    assert draft_to_target(d2t.numpy()).tolist() == np.flatnonzero(t2d.numpy()).tolist() == [4, 11, 30, 49]
+    with pytest.raises(IndexError):
+        draft_to_target(np.array([0, 1]), np.array([2]))

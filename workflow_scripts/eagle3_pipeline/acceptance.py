@@ -27,6 +27,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .conventions import draft_to_target
+
 
 def draft_target_ids(draft_tokens: Sequence, d2t: np.ndarray) -> np.ndarray:
     """speculators' per-step drafts (draft-vocab indices) as target token ids.
@@ -34,14 +36,13 @@ def draft_target_ids(draft_tokens: Sequence, d2t: np.ndarray) -> np.ndarray:
     Args:
         draft_tokens: ``k`` tensors or arrays ``[1, T]`` or ``[T]`` of draft-vocab indices (the
             first value ``Eagle3DraftModel.forward`` returns).
-        d2t: int64 ``[N]`` offsets, ``target_id = draft_idx + d2t[draft_idx]`` (speculators).
+        d2t: int64 ``[N]`` offsets (:func:`eagle3_pipeline.conventions.draft_to_target`).
 
     Returns:
         int64 ``[k, T]`` target token ids.
     """
     rows = [np.asarray(t.detach().cpu() if hasattr(t, "detach") else t).reshape(-1) for t in draft_tokens]
-    idx = np.stack(rows).astype(np.int64)
-    return idx + np.asarray(d2t, dtype=np.int64)[idx]
+    return draft_to_target(d2t, np.stack(rows))
 
 
 def accepted_lengths(

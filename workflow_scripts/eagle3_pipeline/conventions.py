@@ -1,4 +1,4 @@
-"""Conventions every stage shares, named once: layer ids, loss mask, token alignment, answer ids, repetition loops.
+"""Conventions every stage shares, named once: layer ids, draft vocabulary, loss mask, token alignment, answer ids, repetition loops.
 
 Layer ids (vLLM / speculators convention)
     For a target with ``n = num_hidden_layers`` decoder layers, id ``k < n`` is the
@@ -11,6 +11,11 @@ Layer ids (vLLM / speculators convention)
     ``[2, n//2, n-3]``, speculators' ``resolve_target_layer_ids``); extraction captures
     those plus ``n``, whose state speculators normalises with the target's final norm
     to build the training targets.
+
+Draft vocabulary (speculators / vLLM convention)
+    ``d2t`` (int64 ``[N]``) holds offsets: draft index ``i`` is target token id
+    ``i + d2t[i]`` (:func:`draft_to_target`); ``t2d`` (bool ``[V]``) is true at exactly those
+    ``N`` target ids.
 
 Loss mask
     1 on tokens the target generated for the trained turn (the completion, reasoning
@@ -129,6 +134,25 @@ def drafter_aux_columns(drafter_aux_ids: Sequence[int] | None, stored_aux_ids: S
     if len(set(aux)) != len(aux) or aux != sorted(aux) or not aux:
         raise ValueError(f"aux layer ids must be distinct and ascending (vLLM concatenates the states in layer order), got {aux}")
     return aux, [stored.index(i) for i in aux]
+
+
+def draft_to_target(d2t: np.ndarray, draft_ids: np.ndarray | None = None) -> np.ndarray:
+    """Target token ids of draft-vocabulary indices: ``draft_ids + d2t[draft_ids]`` (speculators'
+    ``d2t`` offsets, which vLLM's EAGLE-3 drafter adds the same way).
+
+    Args:
+        d2t: integer ``[N]`` offsets.
+        draft_ids: integer indices into ``[0, N)``, any shape; None: every draft index, ``arange(N)``.
+
+    Returns:
+        int64 target ids, ``draft_ids``' shape (``[N]`` for None).
+
+    Raises:
+        IndexError: an index is outside ``[-N, N)``.
+    """
+    offsets = np.asarray(d2t).astype(np.int64)
+    ids = np.arange(offsets.shape[0]) if draft_ids is None else np.asarray(draft_ids).astype(np.int64)
+    return ids + offsets[ids]
 
 
 def loss_mask(num_prompt_tokens: int, num_completion_tokens: int) -> np.ndarray:

@@ -2,9 +2,10 @@
 
 The mapping itself is speculators' ``build_vocab_mappings_from_distribution``: the top
 ``N`` target ids by supervised frequency (ties → lower id), padded with the lowest
-unused ids when fewer than ``N`` ids occur, sorted ascending. ``d2t`` (int64 ``[N]``)
-holds offsets, ``target_id = draft_idx + d2t[draft_idx]``; ``t2d`` (bool ``[V]``) has
-exactly ``N`` true entries. Only supervised tokens (loss mask 1: the completion) count.
+unused ids when fewer than ``N`` ids occur, sorted ascending, as ``d2t``/``t2d``
+(:mod:`eagle3_pipeline.conventions`: draft vocabulary). The tokens counted are every trace's
+completion (the tokens the loss mask supervises), before training's choices of which to use
+(its validation split, ``max_train_samples``, a trimmed or dropped looping answer).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .conventions import draft_to_target
 from .io import InputError
 
 
@@ -130,7 +132,7 @@ def mapping_problem(d2t: np.ndarray, t2d: np.ndarray) -> str | None:
     """
     if d2t.ndim != 1 or t2d.ndim != 1 or not np.issubdtype(d2t.dtype, np.integer) or t2d.dtype != np.bool_:
         return f"d2t {d2t.dtype} {list(d2t.shape)} and t2d {t2d.dtype} {list(t2d.shape)} are not int [N] and bool [V]"
-    ids = np.arange(d2t.shape[0]) + d2t.astype(np.int64)
+    ids = draft_to_target(d2t)
     if ids.size and (bad := np.flatnonzero((ids < 0) | (ids >= t2d.shape[0]))).size:
         i = int(bad[0])
         return f"d2t[{i}] = {int(d2t[i])} maps draft id {i} to target id {int(ids[i])}, outside the target vocabulary of {t2d.shape[0]}"
