@@ -121,7 +121,7 @@ def make_run(root: Path) -> tuple[list[dict], dict, Path]:
         "run": "r",
         "seed": 0,
         "generation": {"max_tokens": 8},
-        "prompts": {"sources": [{"type": "file", "path": str(src)}], "turns": "first", "max_prompts": 10},
+        "prompts": {"sources": [{"type": "file", "path": str(src)}], "turns": "first", "max_prompts": 10, "num_shards": 1},
         "evaluation": {"prompts": {"type": "file", "path": str(ev)}},
         "training": {"epochs": 1, "lr": 0.001, "init_from": None},
     }
@@ -242,6 +242,7 @@ def test_one_sampling_setting_is_the_runs_not_each_requests(synthetic):
     their prompt's room: still one sampling setting, the run's (with the configured max_tokens). A
     different temperature in one shard fails the check and lists both."""
     root, jobs, config, target = synthetic
+    config["prompts"]["num_shards"] = 2
     run = root / "results" / "r"
     sampled = {"seed": 0, "temperature": 0.7, "top_p": 0.9, "top_k": 0}
     (run / "traces/shard-00000.jsonl").write_text(

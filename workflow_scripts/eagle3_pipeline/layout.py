@@ -55,6 +55,13 @@ def rejects_beside(traces_path: str | os.PathLike) -> Path:
     return p.with_name(p.name.replace(".jsonl", ".rejects.jsonl"))
 
 
+def checkpoint_beside(train_metrics_path: str | os.PathLike) -> Path:
+    """The training checkpoint folder (:meth:`RunLayout.train_checkpoint`) beside a training's
+    ``metrics.jsonl`` (``train/metrics.jsonl`` → ``train/.checkpoint``), which is what the training
+    job's library code is handed."""
+    return Path(train_metrics_path).with_name(CHECKPOINT_DIR)
+
+
 def pids_of(shard_output: str | os.PathLike) -> Path:
     """The run's process records folder (:meth:`RunLayout.pids`) for one output of a per-shard job
     (``results/<run>/<stage>/shard-NNNNN.*``), which is all a shard job's library code is handed."""
@@ -210,7 +217,7 @@ class RunLayout:
         """``train/.checkpoint/``: the interrupted training's state (``progress.json``, weights,
         optimizer). Written and removed by train_drafter (:class:`eagle3_pipeline.training.TrainCheckpoint`);
         read by the plan and the resume hint."""
-        return f"{self.dir}/train/{CHECKPOINT_DIR}"
+        return checkpoint_beside(self.train_metrics()).as_posix()
 
     # ------------------------------------------------------------------ evaluation
 

@@ -80,6 +80,7 @@ from .io import (
     unchanged_since_checked,
     write_json_atomic,
 )
+from .layout import RunLayout, shard_ids
 
 logger = logging.getLogger(__name__)
 
@@ -321,16 +322,10 @@ def build_manifest(run_dir: str | os.PathLike, jobs: list[dict], config: dict, t
         hasher: a :class:`Hasher` to share file hashes with (a new one if ``None``).
     """
     hasher = hasher or Hasher()
-    run = Path(run_dir)
+    lay = RunLayout.at(run_dir)
+    key = lay.relative
     checks: list[dict] = []
     target_id = target_identity(target, hasher)
-
-    def key(path: str) -> str:
-        p = Path(path)
-        try:
-            return p.relative_to(run).as_posix()
-        except ValueError:
-            return str(path)
 
     # nodes: every output of every job; the target (model_fingerprint) and the sources (external)
     target_key = key(target)
@@ -364,7 +359,7 @@ def build_manifest(run_dir: str | os.PathLike, jobs: list[dict], config: dict, t
         node.setdefault("wildcards", {})
         node.setdefault("inputs", [])
 
-    identity = _identity(run, config, target_id, artifacts, external, checks)
+    identity = _identity(lay, config, target_id, artifacts, external, checks)
     return {
         "format": FORMAT,
         "run": config["run"],
@@ -378,13 +373,15 @@ def build_manifest(run_dir: str | os.PathLike, jobs: list[dict], config: dict, t
     }
 
 
-def _identity(run: Path, config: dict, target_id: dict, artifacts: dict, external: dict, checks: list[dict]) -> dict:
-    """The ``identity`` part: one place for what defines the run (module docstring)."""
+def _identity(lay: RunLayout, config: dict, target_id: dict, artifacts: dict, external: dict, checks: list[dict]) -> dict:
+    """The ``identity`` part: one place for what defines the run (module docstring). ``lay``: the
+    run's layout, whose shards are ``prompts.num_shards``; ``artifacts`` keyed by
+    :meth:`RunLayout.relative` paths."""
     from .generation import REQUEST_SAMPLING_KEYS
     from .prompts import sources_digest
 
-    traces = sorted(k for k in artifacts if k.startswith("traces/") and k.endswith(".jsonl") and ".rejects." not in k)
-    firsts = [r for r in (_first_record(run / t) for t in traces) if r is not None]
+    shards = shard_ids(config["prompts"]["num_shards"])
+    firsts = [r for r in (_first_record(Path(lay.traces(s))) for s in shards if lay.relative(lay.traces(s)) in artifacts) if r is not None]
     engines = _distinct([r.get("engine") for r in firsts])
     # the run's sampling: each record's without its request's own values (a per-prompt seed, a
     # max_tokens lowered to its prompt's room), with the configured max_tokens
@@ -416,10 +413,11 @@ def _identity(run: Path, config: dict, target_id: dict, artifacts: dict, externa
             out.append(about | {"path": path, "sha256": external[path]["sha256"] if path in external else sha256_file(path)})
         return out
 
-    indexes = [read_json(run / k) for k in sorted(artifacts) if k.startswith("hidden_states/") and k.endswith(".index.json")]
+    indexes = [read_json(lay.hidden_index(s)) for s in shards if lay.relative(lay.hidden_index(s)) in artifacts]
     layer_ids = _distinct([h["layer_ids"] for h in indexes])
     aux_ids = _distinct([h["aux_layer_ids"] for h in indexes])
-    drafter_cfg = read_json(run / "drafter" / "config.json") if (run / "drafter" / "config.json").is_file() else {}
+    drafter_config = Path(lay.drafter()) / "config.json"
+    drafter_cfg = read_json(drafter_config) if drafter_config.is_file() else {}
     drafter_aux = drafter_cfg.get("eagle_aux_hidden_state_layer_ids")
     checks.append(
         _check(
@@ -429,12 +427,12 @@ def _identity(run: Path, config: dict, target_id: dict, artifacts: dict, externa
             f"shards' aux layer ids {aux_ids}, the drafter's eagle_aux_hidden_state_layer_ids {drafter_aux}",
         )
     )
-    checks.append(_drafter_vocab_check(run))
+    checks.append(_drafter_vocab_check(lay))
 
-    cov = read_json(run / "vocab" / "coverage.json")
-    train = read_json(run / "train" / "summary.json")
-    acc = read_json(run / "eval" / "acceptance.json")
-    drafter = artifacts.get("drafter", {})
+    cov = read_json(lay.coverage())
+    train = read_json(lay.train_summary())
+    acc = read_json(lay.acceptance())
+    drafter = artifacts.get(lay.relative(lay.drafter()), {})
     files = drafter.get("files", {})
     return {
         "target": target_id,
@@ -451,15 +449,15 @@ def _identity(run: Path, config: dict, target_id: dict, artifacts: dict, externa
             ),
             "turns": config["prompts"]["turns"],
             "max_prompts": config["prompts"]["max_prompts"],
-            "shards": {k: artifacts[k]["sha256"] for k in sorted(artifacts) if k.startswith("prompts/shard-")},
+            "shards": {k: artifacts[k]["sha256"] for k in (lay.relative(lay.prompt_shard(s)) for s in shards) if k in artifacts},
         },
         "evaluation_prompts": {
             "source": sources_of([config["evaluation"]["prompts"]])[0],
-            "sha256": artifacts.get("eval/prompts.jsonl", {}).get("sha256"),
+            "sha256": artifacts.get(lay.relative(lay.eval_prompts()), {}).get("sha256"),
         },
         "vocab": {
-            "d2t_sha256": artifacts["vocab/d2t.npy"]["sha256"],
-            "t2d_sha256": artifacts["vocab/t2d.npy"]["sha256"],
+            "d2t_sha256": artifacts[lay.relative(lay.vocab("d2t"))]["sha256"],
+            "t2d_sha256": artifacts[lay.relative(lay.vocab("t2d"))]["sha256"],
             "draft_vocab_size": cov["draft_vocab_size"],
             "target_vocab_size": cov["target_vocab_size"],
             "coverage": cov["coverage"],
@@ -477,7 +475,7 @@ def _identity(run: Path, config: dict, target_id: dict, artifacts: dict, externa
             **{k: train.get(k) for k in ("steps", "tokens_seen", "train_samples", "val_samples", "final_val")},
         },
         "drafter": {
-            "path": "drafter",
+            "path": lay.relative(lay.drafter()),
             "sha256": drafter.get("sha256"),
             "weights_sha256": files.get("model.safetensors", {}).get("sha256"),
             "config_sha256": files.get("config.json", {}).get("sha256"),
@@ -497,18 +495,18 @@ def _identity(run: Path, config: dict, target_id: dict, artifacts: dict, externa
     }
 
 
-def _drafter_vocab_check(run: Path) -> dict:
+def _drafter_vocab_check(lay: RunLayout) -> dict:
     """The drafter's ``d2t``/``t2d`` tensors equal ``vocab/d2t.npy`` and ``vocab/t2d.npy``."""
     import numpy as np
     from safetensors import safe_open
 
-    weights = run / "drafter" / "model.safetensors"
+    weights = Path(lay.drafter()) / "model.safetensors"
     if not weights.is_file():
         return _check("drafter_vocab", False, f"{weights} is missing")
     with safe_open(str(weights), framework="np") as f:
         names = set(f.keys())
         got = {k: f.get_tensor(k) for k in ("d2t", "t2d") if k in names}
-    same = {k: k in got and np.array_equal(got[k], np.load(run / "vocab" / f"{k}.npy")) for k in ("d2t", "t2d")}
+    same = {k: k in got and np.array_equal(got[k], np.load(lay.vocab(k))) for k in ("d2t", "t2d")}
     return _check("drafter_vocab", all(same.values()), f"drafter tensors equal vocab/*.npy: {same}")
 
 

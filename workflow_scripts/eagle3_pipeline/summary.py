@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from .io import read_json
+from .layout import RunLayout
 
 
 def summarize(prompts: str, traces: list[str], coverage: str, hidden_indexes: list[str], train: str, acceptance: str) -> dict:
@@ -85,10 +86,11 @@ def result_lines(run_dir: str) -> str:
     Raises:
         OSError, ValueError: ``eval/acceptance.json`` is missing or not JSON (the run has not finished).
     """
-    acc_path = f"{run_dir}/eval/acceptance.json"
+    lay = RunLayout.at(run_dir)
+    acc_path = lay.acceptance()
     acc = read_json(acc_path)
     parts = [f"tau = {acc['acceptance_length']:.3f}"]
     rows = [r for r in acc.get("speedup") or [] if r.get("speedup") is not None]
     if rows:
         parts.append("speedup " + ", ".join(f"{r['speedup']:.2f}x at {r['concurrency']} in flight" for r in rows))
-    return f"drafter: {run_dir}/drafter\nacceptance: {acc_path} ({'; '.join(parts)})"
+    return f"drafter: {lay.drafter()}\nacceptance: {acc_path} ({'; '.join(parts)})"

@@ -32,7 +32,7 @@ from torch.profiler import record_function
 from .config import runtime_keys
 from .conventions import drafter_aux_columns, prompt_of, repetition_loop
 from .io import InputError, atomic_dir, check_recorded_files, record_files, sha256_file, sha256_json, write_text_atomic
-from .layout import CHECKPOINT_DIR
+from .layout import checkpoint_beside
 from .resume import finished_by_another_job, take_back_kept
 from .runtime import Timer, progress
 from .shards import ShardReader
@@ -886,7 +886,7 @@ def train(
         d2t.shape[0],
     )
     ckpt = TrainCheckpoint(
-        Path(metrics_path).parent / CHECKPOINT_DIR,  # RunLayout.train_checkpoint
+        checkpoint_beside(metrics_path),
         # loader processes do not change the batches: a resume may use another number
         fingerprint,
     )
