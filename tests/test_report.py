@@ -429,3 +429,12 @@ def test_the_lines_make_run_ends_with_give_tau_and_each_speedup_measured(tmp_pat
     ]
     (run / "eval" / "acceptance.json").write_text(json.dumps(acc | {"speedup": []}))
     assert result_lines(str(run)).endswith("(tau = 1.224)")
+
+
+def test_every_figure_has_its_caption_and_every_caption_a_figure():
+    """report.FIGURES is the one list of figures: rule plot_run's outputs are made from it, each
+    with report/<name>.rst as its caption; a caption file without a figure is a leftover."""
+    root = Path(__file__).resolve().parents[1]
+    captions = {p.stem for p in (root / "report").glob("*.rst")} - {"workflow"}  # the workflow's own description
+    assert captions == set(FIGURES)
+    assert all(f.shows and f.category[0].isdigit() and f.label for f in FIGURES.values())

@@ -1,49 +1,77 @@
 """plot_run: the run's figures for ``snakemake --report`` (PNG files under ``results/<run>/plots/``).
 
-Every figure is drawn from files earlier stages already wrote; nothing is recounted:
-
-=========================== ====================================================================
-``lengths.png``             prompt and completion lengths (tokens) of the generated traces
-``generation.png``          generation outcomes (records) and the reasoning capture rate
-``rejects.png``             rejected records and errors by stage and reason (prompts beyond max_prompts apart)
-``vocab_coverage.png``      coverage vs draft vocabulary size from ``vocab/token_freq.npy``
-``training_loss.png``       loss per step, total and per draft position (train and validation)
-``training_accuracy.png``   per-position accuracy per step (train and validation)
-``acceptance.png``          acceptance length τ and per-position acceptance in vLLM
-``throughput.png``          tokens/s and model load seconds of each stage
-``estimate_vs_actual.png``  the plan's estimated seconds against each stage's wall time
-=========================== ====================================================================
+Every figure is drawn from files earlier stages already wrote; nothing is recounted. The
+figures, their report captions and categories are :data:`FIGURES`, which rule plot_run's
+outputs are made from.
 
 Figures are :class:`matplotlib.figure.Figure` objects built without pyplot (no global
 state; they render with the Agg canvas), so each ``*_figure`` function can be unit-tested
-by reading its artists.
+by reading its artists. matplotlib is imported when the first figure is made, not with this
+module, which the Snakefile imports for :data:`FIGURES`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-from matplotlib.figure import Figure
 
 from .io import atomic_path, iter_jsonl, read_json
 from .vocab import coverage_curve
 
-#: The figures ``make_plots`` writes, by output name (the rule's named outputs).
-FIGURES = (
-    "lengths",
-    "generation",
-    "rejects",
-    "vocab_coverage",
-    "training_loss",
-    "training_accuracy",
-    "acceptance",
-    "speedup",
-    "throughput",
-    "estimate_vs_actual",
-)
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+
+class FigureInfo(NamedTuple):
+    """A figure of the report: what it shows, its report category and its label there; its
+    caption is ``report/<name>.rst``."""
+
+    shows: str
+    category: str
+    label: str
+
+
+#: The figures ``make_plots`` writes, by name (rule plot_run's named outputs,
+#: ``RunLayout.plot(name)``), in the report's order.
+FIGURES = {
+    "lengths": FigureInfo("prompt and completion lengths (tokens) of the generated traces", "1. Traces", "prompt and completion lengths"),
+    "generation": FigureInfo(
+        "generation outcomes (records) and the reasoning capture rate", "1. Traces", "generation outcomes and reasoning capture"
+    ),
+    "rejects": FigureInfo(
+        "rejected records and errors by stage and reason (prompts beyond max_prompts apart)", "1. Traces", "rejected records and errors"
+    ),
+    "vocab_coverage": FigureInfo(
+        "coverage vs draft vocabulary size from vocab/token_freq.npy", "2. Draft vocabulary", "coverage vs draft vocab size"
+    ),
+    "training_loss": FigureInfo("loss per step, total and per draft position (train and validation)", "3. Training", "loss per step"),
+    "training_accuracy": FigureInfo(
+        "per-position accuracy per step (train and validation)", "3. Training", "per-position accuracy per step"
+    ),
+    "acceptance": FigureInfo("acceptance length τ and per-position acceptance in vLLM", "4. Evaluation", "acceptance length in vLLM"),
+    "speedup": FigureInfo(
+        "output tokens/s with the drafter against without, per concurrency",
+        "4. Evaluation",
+        "speedup: tokens/s with and without the drafter",
+    ),
+    "throughput": FigureInfo("tokens/s and model load seconds of each stage", "5. Run time", "stage throughput"),
+    "estimate_vs_actual": FigureInfo(
+        "the plan's estimated seconds against each stage's wall time", "5. Run time", "estimated vs actual time"
+    ),
+}
 DPI = 110
+
+
+def _figure(**kw) -> Figure:
+    """A new :class:`matplotlib.figure.Figure` (matplotlib imported here, on first use)."""
+    from matplotlib.figure import Figure
+
+    return Figure(**kw)
+
+
 #: Full-model and training stages in pipeline order (the keys of ``summary.json``'s ``throughput``).
 STAGE_ORDER = ("generate_traces", "extract_hidden_states", "train_drafter", "evaluate_drafter")
 
@@ -90,7 +118,7 @@ def lengths_figure(prompt: np.ndarray, completion: np.ndarray, max_tokens: int |
     The completion panel marks ``max_tokens`` (generation's cap: completions that stopped
     there were truncated). Each title gives the count, median and mean.
     """
-    fig = Figure(figsize=(9, 3.6), layout="constrained")
+    fig = _figure(figsize=(9, 3.6), layout="constrained")
     axes = fig.subplots(1, 2)
     for ax, values, what in ((axes[0], prompt, "prompt"), (axes[1], completion, "completion")):
         if values.size == 0:
@@ -119,7 +147,7 @@ def generation_figure(summary: Mapping) -> Figure:
     g = summary["generation"]
     labels = ["prompts", "ok", "truncated", "looping", "with reasoning", "errored", "rejected"]
     values = [g["prompts"], g["ok"], g["truncated"], g.get("repetition_loops", 0), g["reasoning_captured"], g["errored"], g["rejected"]]
-    fig = Figure(figsize=(7.6, 3.6), layout="constrained")
+    fig = _figure(figsize=(7.6, 3.6), layout="constrained")
     ax = fig.subplots()
     bars = ax.bar(labels, values, color=["C7", "C2", "C1", "C5", "C4", "C3", "C3"])
     ax.bar_label(bars, labels=[f"{v:,}" for v in values], fontsize=8)
@@ -159,7 +187,7 @@ def rejects_figure(summary: Mapping) -> Figure:
     The title totals them by stage and, apart, the prompts beyond ``prompts.max_prompts``,
     which were not used rather than rejected (no bar)."""
     counts = reject_counts(summary)
-    fig = Figure(figsize=(7, max(2.4, 0.9 + 0.35 * len(counts))), layout="constrained")
+    fig = _figure(figsize=(7, max(2.4, 0.9 + 0.35 * len(counts))), layout="constrained")
     ax = fig.subplots()
     beyond = beyond_max_prompts(summary)
     unused = f"; {beyond:,} prompts beyond max_prompts, not used" if beyond else ""
@@ -194,7 +222,7 @@ def coverage_figure(counts: np.ndarray, coverage: Mapping) -> Figure:
     """
     cov = coverage_curve(counts)
     n = int(coverage["draft_vocab_size"])
-    fig = Figure(figsize=(7, 4), layout="constrained")
+    fig = _figure(figsize=(7, 4), layout="constrained")
     ax = fig.subplots()
     ax.plot(np.arange(1, cov.size + 1), cov, color="C0", label="best draft vocab of each size (top-N by frequency)")
     ax.axvline(n, color="C3", linestyle="--", linewidth=1, label=f"chosen size {n:,}")
@@ -242,7 +270,7 @@ def loss_figure(metrics: Mapping[str, list[dict]]) -> Figure:
     position's loss (speculators' ``training.loss``, e.g. KL divergence to the target's
     distribution, nats). Lines: training batches as logged; points: validation at
     each epoch end."""
-    fig = Figure(figsize=(10, 3.8), layout="constrained")
+    fig = _figure(figsize=(10, 3.8), layout="constrained")
     axes = fig.subplots(1, 2)
     if not any(metrics.values()):
         _note(axes[0], "no training metrics")
@@ -266,7 +294,7 @@ def accuracy_figure(metrics: Mapping[str, list[dict]]) -> Figure:
     """Per-position top-1 accuracy of the drafter per step: left, ``full_acc_k`` (positions 0..k all
     right: what speculative decoding accepts); right, ``cond_acc_k`` (position k right given the
     earlier ones were). Lines: training batches; points: validation at each epoch end."""
-    fig = Figure(figsize=(10, 3.8), layout="constrained")
+    fig = _figure(figsize=(10, 3.8), layout="constrained")
     axes = fig.subplots(1, 2)
     if not any(metrics.values()):
         _note(axes[0], "no training metrics")
@@ -299,7 +327,7 @@ def acceptance_figure(acceptance: Mapping) -> Figure:
     decodes them (``replay_acc_k``, ``replay_tau``: per draft step, like vLLM's)."""
     tau, k = acceptance["acceptance_length"], acceptance["num_speculative_tokens"]
     rates = acceptance["per_position_acceptance_rate"]
-    fig = Figure(figsize=(9, 3.8), layout="constrained")
+    fig = _figure(figsize=(9, 3.8), layout="constrained")
     left, right = fig.subplots(1, 2, width_ratios=[1, 3])
     bar = left.bar(["τ"], [tau], color="C2")
     # inside the bar: the replayed validation τ is drawn as a dot at the bar's top, often next to it
@@ -345,7 +373,7 @@ def speedup_figure(acceptance: Mapping) -> Figure:
     evaluation prompts with and without the drafter at each number of requests in flight, grouped
     bars, each pair labelled with its ratio (the speedup)."""
     rows = acceptance.get("speedup") or []
-    fig = Figure(figsize=(8, 3.6), layout="constrained")
+    fig = _figure(figsize=(8, 3.6), layout="constrained")
     ax = fig.subplots()
     if not rows:
         _note(ax, "no speedup measured (evaluation.speedup.concurrency is empty)")
@@ -373,7 +401,7 @@ def throughput_figure(summary: Mapping) -> Figure:
     from ``summary.json``'s ``throughput``; each bar is labelled with its model load seconds."""
     tp = summary.get("throughput") or {}
     stages = [s for s in STAGE_ORDER if s in tp] + sorted(set(tp) - set(STAGE_ORDER))
-    fig = Figure(figsize=(7, 3.2), layout="constrained")
+    fig = _figure(figsize=(7, 3.2), layout="constrained")
     ax = fig.subplots()
     if not stages:
         _note(ax, "no stage recorded its throughput")
@@ -395,7 +423,7 @@ def estimate_figure(summary: Mapping) -> Figure:
     stages of every start and resume of the run), grouped bars, each actual bar labelled with
     actual / estimate."""
     rows = [r for r in summary.get("estimate_vs_actual") or [] if r.get("estimated_seconds") is not None]
-    fig = Figure(figsize=(8, 3.6), layout="constrained")
+    fig = _figure(figsize=(8, 3.6), layout="constrained")
     ax = fig.subplots()
     if not rows:
         _note(ax, "no estimate to compare: no start plan had a pending stage (results/<run>/plans/)")
