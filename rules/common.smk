@@ -71,6 +71,12 @@ def get_target_dir(wildcards=None):
         return target_model.configured_target_dir(config["target"]["path"])
 
 
+def get_user_target_dir():
+    """The user's target directory, or None for the embedded target, which a job makes: what
+    checks made before any job runs (the run's start, `snakemake plan`) can read."""
+    return None if is_builtin_target() else get_target_dir()
+
+
 def get_target_identity():
     """Content identity of the target for params (re-runs every stage that reads it)."""
     with workflow_errors("target.path"):

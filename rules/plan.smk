@@ -5,9 +5,7 @@ from eagle3_pipeline.snakemake_adapter import on_start, print_resume_hint
 
 
 onstart:
-    on_start(
-        workflow, config, layout, None if is_builtin_target() else get_target_dir()
-    )
+    on_start(workflow, config, layout, get_user_target_dir())
 
 
 onerror:
@@ -24,7 +22,7 @@ rule plan:
         "../envs/cpu.yaml"
     params:
         target_dir=get_target_dir(),
-        user_target_dir=None if is_builtin_target() else get_target_dir(),
+        user_target_dir=get_user_target_dir(),
         run_dir=layout.dir,
         bench_dir=layout.bench_dir,
         plan_json=layout.plan_preview(),
