@@ -2,14 +2,20 @@
 
 One ``safetensors`` file per trace shard, several samples per file:
 
-=================  ==========================  ==========================================
-tensor             dtype, shape                meaning
-=================  ==========================  ==========================================
-``input_ids``      int64 ``[T]``               prompt + completion ids of all samples
-``loss_mask``      bool ``[T]``                1 on completion tokens (conventions.loss_mask)
-``offsets``        int64 ``[S + 1]``           sample ``i`` is rows ``offsets[i]:offsets[i+1]``
-``hidden_states``  bf16 ``[T, L, H]``          captured layers, in ``layer_ids`` order
-=================  ==========================  ==========================================
+=========================  ==============================  ==========================================
+tensor                     dtype, shape                    meaning
+=========================  ==============================  ==========================================
+``input_ids``              int64 ``[T]``                   prompt + completion ids of all samples
+``loss_mask``              bool ``[T]``                    1 on completion tokens (conventions.loss_mask)
+``offsets``                int64 ``[S + 1]``               sample ``i`` is rows ``offsets[i]:offsets[i+1]``
+``hidden_states``          ``extraction.storage_dtype``    captured layers, in ``layer_ids`` order:
+                           ``[T, L, H]``                   bfloat16 (default), float16, float32 or
+                                                           float8_e4m3fn
+``hidden_states_scale``    float32 ``[T, L]``              float8_e4m3fn shards only: one scale per
+                                                           token and layer; the state is
+                                                           ``hidden_states * scale[..., None]``
+                                                           (:func:`quantize_fp8`)
+=========================  ==============================  ==========================================
 
 ``layer_ids`` is ``aux_layer_ids + [n]`` (see :mod:`eagle3_pipeline.conventions`): the
 first ``L - 1`` are the drafter's aux inputs, the last is the final layer before the
@@ -721,7 +727,21 @@ def shard_index(
 
 
 class ShardReader:
-    """Lazy per-sample access to a hidden-state shard (memory-mapped by safetensors)."""
+    """Lazy per-sample access to a hidden-state shard (memory-mapped by safetensors; the format
+    is the module docstring's).
+
+    Attributes:
+        path: the shard file.
+        layer_ids, aux_layer_ids: the stored layers (``aux_layer_ids + [n]``) and the aux ones.
+        sample_ids: the samples' ids, in row order (``S`` of them).
+        offsets: int64 ``[S + 1]``: sample ``i`` is rows ``offsets[i]:offsets[i+1]``.
+        input_ids: int64 ``[T]``; loss_mask: bool ``[T]`` (1 on supervised tokens).
+        fp8: whether the states are stored as float8_e4m3fn with per-row scales.
+        stored_dtype: the stored states' dtype as safetensors names it (``"BF16"``, ``"F8_E4M3"``, ...).
+
+    Raises:
+        ValueError: the file is not a shard of this format (names the file and what it holds).
+    """
 
     def __init__(self, path: str | os.PathLike):
         from safetensors import safe_open
@@ -751,6 +771,7 @@ class ShardReader:
         return len(self.sample_ids)
 
     def lengths(self) -> list[int]:
+        """Each sample's token count, in row order."""
         return (self.offsets[1:] - self.offsets[:-1]).tolist()
 
     def all_hidden_states(self) -> torch.Tensor:
