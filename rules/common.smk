@@ -11,7 +11,7 @@ from eagle3_pipeline import config as settings
 from eagle3_pipeline import sweep, target_model
 from eagle3_pipeline.layout import BUILTIN_TARGET_DIR, RunLayout, shard_ids
 from eagle3_pipeline.lineage import external_sources, lineage_terminals
-from eagle3_pipeline.prompts import sources_digest
+from eagle3_pipeline.prompts import prompt_source_groups, sources_digest
 from eagle3_pipeline.snakemake_adapter import lineage_jobs, workflow_errors
 
 # validate_config also turns the strings that nested --config values arrive as (profiles/slurm's

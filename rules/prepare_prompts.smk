@@ -9,12 +9,7 @@ rule prepare_prompts:
         "../envs/cpu.yaml"
     params:
         prompts=config["prompts"],
-        sources_digest=get_sources_digest(
-            {
-                "prompts.sources": config["prompts"]["sources"],
-                "evaluation.prompts": [config["evaluation"]["prompts"]],
-            }
-        ),
+        sources_digest=get_sources_digest(prompt_source_groups(config)),
         eval_prompts=config["evaluation"]["prompts"],
     script:
         "../workflow_scripts/prepare_prompts.py"

@@ -81,6 +81,7 @@ from .io import (
     write_json_atomic,
 )
 from .layout import RunLayout, shard_ids
+from .prompts import prompt_source_groups, sources_digest
 
 logger = logging.getLogger(__name__)
 
@@ -280,7 +281,7 @@ def external_sources(config: dict, variants: dict[str, dict], stage: str, wildca
     warm_start = [{"type": "drafter", "path": init}] if init else []
     return {
         "prepare_target_model": [{"type": "builtin_target"}],
-        "prepare_prompts": cfg["prompts"]["sources"] + [cfg["evaluation"]["prompts"]],
+        "prepare_prompts": [s for group in prompt_source_groups(cfg).values() for s in group],
         "prepare_eval_prompts": [cfg["evaluation"]["prompts"]],
         "build_vocab_mapping": warm_start,
         "train_drafter": warm_start,
@@ -378,7 +379,6 @@ def _identity(lay: RunLayout, config: dict, target_id: dict, artifacts: dict, ex
     run's layout, whose shards are ``prompts.num_shards``; ``artifacts`` keyed by
     :meth:`RunLayout.relative` paths."""
     from .generation import REQUEST_SAMPLING_KEYS
-    from .prompts import sources_digest
 
     shards = shard_ids(config["prompts"]["num_shards"])
     firsts = [r for r in (_first_record(Path(lay.traces(s))) for s in shards if lay.relative(lay.traces(s)) in artifacts) if r is not None]
@@ -444,9 +444,7 @@ def _identity(lay: RunLayout, config: dict, target_id: dict, artifacts: dict, ex
         "seed": config["seed"],
         "prompts": {
             "sources": sources_of(config["prompts"]["sources"]),
-            "sources_digest": sources_digest(
-                {"prompts.sources": config["prompts"]["sources"], "evaluation.prompts": [config["evaluation"]["prompts"]]}
-            ),
+            "sources_digest": sources_digest(prompt_source_groups(config)),  # rule prepare_prompts' param
             "turns": config["prompts"]["turns"],
             "max_prompts": config["prompts"]["max_prompts"],
             "shards": {k: artifacts[k]["sha256"] for k in (lay.relative(lay.prompt_shard(s)) for s in shards) if k in artifacts},

@@ -271,6 +271,13 @@ def _load_source_records(source: dict) -> Iterator[tuple[str, object]]:
         raise InputError(f"unknown prompt source type {kind!r}")
 
 
+def prompt_source_groups(config: dict) -> dict[str, list[dict]]:
+    """The sources rule prepare_prompts reads (the training prompts, and the evaluation prompts it
+    decontaminates against), by config key: the groups of its :func:`sources_digest` param and of
+    the manifest's."""
+    return {"prompts.sources": config["prompts"]["sources"], "evaluation.prompts": [config["evaluation"]["prompts"]]}
+
+
 def sources_digest(groups: dict[str, list[dict]]) -> str:
     """Content digest of prompt/evaluation sources (hex SHA-256), for Snakemake params.
 
