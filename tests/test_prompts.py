@@ -128,6 +128,10 @@ def test_truncated_json_array_recovers_complete_records(tmp_path):
     got = list(iter_json_array(p))
     assert [o["id"] for _, o in got[:2]] == [1, 2]
     assert len(got) == 3 and "truncated at the end of the file" in str(got[2][1])  # the tail is reported
+    # intact turns inside the truncated record are not taken for records (ShareGPT_V3's own tail is so)
+    p.write_text('[{"id": 1},\n {"c": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "y"},\n {"from": "human", "value": "cut')
+    got = list(iter_json_array(p))
+    assert got[0] == (0, {"id": 1}) and len(got) == 2 and "truncated at the end of the file" in str(got[1][1])
 
 
 def test_bad_element_in_the_middle_of_an_array_loses_only_that_element(tmp_path):
@@ -175,6 +179,99 @@ def test_a_broken_element_before_intact_ones_loses_only_itself(tmp_path, broken,
     ps = build_prompt_set([{"type": "file", "path": str(p)}])
     assert sorted(r["messages"][0]["content"] for r in ps.records) == ["four", "one", "three"]
     assert [(r.source, r.reason) for r in ps.rejects] == [(f"{p}[1]", "bad_json")]
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        # a quote left open: the broken record's turns must not be taken for records, nor their "]" end the file
+        ('[[{"v":"a},{},{}],{"B":1},{"C":2}]', [{"B": 1}, {"C": 2}]),
+        ('[{"c":[{"v":"a"b"},{},{}]},{"B":1},{"C":2}]', [{"B": 1}, {"C": 2}]),
+        ('[\n {"c": [\n  {"v": "a"\n  ],\n  {"v": "b"},\n  {"v": "c"}\n ]},\n {"B": 1},\n {"C": 2}\n]', [{"B": 1}, {"C": 2}]),
+        ('[{"a":1,{"B":1},{"C":2}]', [{"B": 1}, {"C": 2}]),  # a "}" missing: the next record is where decoding failed
+        # here "[{"v":"a"}]" may as well be an element after a damaged '{"c":': an extra reject, no loss
+        ('[{"c":[{"v":"a"}],{"B":1},{"C":2}]', [[{"v": "a"}], {"B": 1}, {"C": 2}]),
+        ('[{"a":1}},{"B":1},{"C":2}]', [{"B": 1}, {"C": 2}]),  # a "}" too many: what decodes first is not the record
+        ('["a":1},{"B":1},{"C":2}]', [{"B": 1}, {"C": 2}]),  # its "{" missing
+        ('[[{"x" 1}],[{"B":1}],[{"C":2}]]', [[{"B": 1}], [{"C": 2}]]),  # records given as lists of turns
+        ('[{"a":"x},{"":1},{"C":2},{"D":3}]', [{"": 1}, {"C": 2}, {"D": 3}]),
+    ],
+)
+def test_damage_that_moves_brackets_or_quotes_costs_its_record_alone(tmp_path, text, want):
+    """Cases a break-it trial found losing the records after a damaged first record: each now
+    gives one error for it and every later record, in order."""
+    p = tmp_path / "d.json"
+    p.write_text(text)
+    got = list(iter_json_array(p))
+    assert isinstance(got[0][1], RecordError)
+    assert got[1:] == list(enumerate(want, start=1))
+
+
+def test_random_damage_to_one_record_loses_no_other(tmp_path):
+    """1-2 random character edits inside one record of 20 (three layouts): every other record is
+    still read, and where the edit left the file valid JSON the reader agrees with json.loads. (A
+    bracket edit can make part of the damaged record read as elements of their own: they are
+    rejects, never a loss; a few such cases shift the later records' indices.)"""
+    import random
+
+    rng = random.Random(7)
+    texts = ['say "hi"', "a [b] {c}: d, e", "emoji \U0001f600 naïve", 'x\\"y', "line1\nline2", '}],{"from":"gpt"', ""]
+    path = tmp_path / "f.json"
+    lost = []
+    for case in range(300):
+        recs = []
+        for k in range(20):
+            n = rng.randint(1, 3)
+            text = [rng.choice(texts) + str(k) for _ in range(n)]
+            recs.append(
+                [{"role": "user", "content": t} for t in text]
+                if k % 3 == 2
+                else {"id": f"r{k}", "conversations": [{"from": "human", "value": t} for t in text]}
+            )
+        style = case % 3
+        parts = [json.dumps(r, indent=2 if style == 2 else None) for r in recs]
+        sep = ", " if style == 0 else ",\n"
+        text, spans = "[\n", []
+        for k, part in enumerate(parts):
+            text += (sep if k else "") + ""
+            spans.append((len(text), len(text) + len(part)))
+            text += part
+        text += "\n]\n"
+        j = rng.randrange(20)
+        a, b = spans[j]
+        chars = list(text)
+        for _ in range(rng.randint(1, 2)):
+            at = rng.randrange(a, b)
+            op = rng.choice("dir")
+            c = rng.choice(list('{}[]",:\\ \n') + ["x"])
+            if op == "d":
+                chars[at] = ""
+            elif op == "i":
+                chars[at] = c + chars[at]
+            else:
+                chars[at] = c
+        damaged = "".join(chars)
+        path.write_text(damaged, encoding="utf-8")
+        got = list(iter_json_array(path))
+        try:
+            whole = json.loads(damaged)
+        except ValueError:
+            values = [o for _, o in got if not isinstance(o, RecordError)]
+            lost += [(case, k) for k, r in enumerate(recs) if k != j and r not in values]
+        else:
+            assert [o for _, o in got] == whole, case
+    assert lost == []
+
+
+def test_an_unpaired_surrogate_is_one_counted_reject(tmp_path):
+    """JSON can escape half a surrogate pair, which no text holds: that record is a bad_encoding
+    reject (it failed the whole prompt set when its id was hashed), the next record is kept."""
+    p = tmp_path / "s.json"
+    p.write_text('[{"messages":[{"role":"user","content":"a\\ud83d"}]},{"messages":[{"role":"user","content":"ok"}]}]')
+    ps = build_prompt_set([{"type": "file", "path": str(p)}])
+    assert [r["messages"][0]["content"] for r in ps.records] == ["ok"]
+    assert [(r.source, r.reason) for r in ps.rejects] == [(f"{p}[0]", "bad_encoding")]
+    assert "unpaired surrogate ('\\ud83d' at character 1)" in ps.rejects[0].detail
 
 
 def test_invalid_utf8_line_is_one_counted_reject(tmp_path):

