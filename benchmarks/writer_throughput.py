@@ -95,9 +95,14 @@ def parts(work: Path, repeats: int) -> dict:
             fn()
             times.append(time.perf_counter() - t)
         ms = float(np.median(times)) * 1000
-        out[name] = {"ms_per_request": round(ms, 2), "gbps": round(states.numel() * 2 / ms / 1e6, 2)}
+        out[name] = {"ms_per_request": _sig(ms), "gbps": _sig(states.numel() * 2 / ms / 1e6)}
     writer.close()
     return {"request_bytes": states.numel() * 2, "torch_threads": torch.get_num_threads()} | out
+
+
+def _sig(x: float) -> float:
+    """``x`` to 3 significant digits: a figure of a slow machine keeps its precision (0.137, not 0.14)."""
+    return float(f"{x:.3g}")
 
 
 def filler(work: Path, requests: int, threads: int, prefill_gbps: float, rounds: int) -> dict:
@@ -108,8 +113,8 @@ def filler(work: Path, requests: int, threads: int, prefill_gbps: float, rounds:
     return {
         "threads": threads,
         "requests": requests,
-        "round_gbps": [round(x, 2) for x in rates],
-        "gbps": round(gbps, 2),
+        "round_gbps": [_sig(x) for x in rates],
+        "gbps": _sig(gbps),
         "vs_prefill": round(gbps / prefill_gbps, 2),
     }
 
