@@ -1,5 +1,5 @@
 # The run's figures for `snakemake --report report.html` (captions in report/).
-from eagle3_pipeline.report import FIGURES
+from eagle3_pipeline.figures import FIGURES
 
 
 rule plot_run:
@@ -11,7 +11,7 @@ rule plot_run:
         acceptance=layout.acceptance(),
         summary=layout.summary(),
     output:
-        # one figure each of report.FIGURES, with its caption (report/<name>.rst) and category
+        # one figure each of figures.FIGURES, with its caption (report/<name>.rst) and category
         **{
             name: report(
                 layout.plot(name),

@@ -1,23 +1,23 @@
 """plot_run: the run's figures for ``snakemake --report`` (PNG files under ``results/<run>/plots/``).
 
 Every figure is drawn from files earlier stages already wrote; nothing is recounted. The
-figures, their report captions and categories are :data:`FIGURES`, which rule plot_run's
-outputs are made from.
+figures, their report captions and categories are :data:`eagle3_pipeline.figures.FIGURES`,
+which rule plot_run's outputs are made from.
 
 Figures are :class:`matplotlib.figure.Figure` objects built without pyplot (no global
 state; they render with the Agg canvas), so each ``*_figure`` function can be unit-tested
-by reading its artists. matplotlib is imported when the first figure is made, not with this
-module, which the Snakefile imports for :data:`FIGURES`.
+by reading its artists. matplotlib is imported when the first figure is made.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .figures import FIGURES
 from .io import atomic_path, iter_jsonl, read_json
 from .vocab import coverage_curve
 
@@ -25,43 +25,6 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 
-class FigureInfo(NamedTuple):
-    """A figure of the report: what it shows, its report category and its label there; its
-    caption is ``report/<name>.rst``."""
-
-    shows: str
-    category: str
-    label: str
-
-
-#: The figures ``make_plots`` writes, by name (rule plot_run's named outputs,
-#: ``RunLayout.plot(name)``), in the report's order.
-FIGURES = {
-    "lengths": FigureInfo("prompt and completion lengths (tokens) of the generated traces", "1. Traces", "prompt and completion lengths"),
-    "generation": FigureInfo(
-        "generation outcomes (records) and the reasoning capture rate", "1. Traces", "generation outcomes and reasoning capture"
-    ),
-    "rejects": FigureInfo(
-        "rejected records and errors by stage and reason (prompts beyond max_prompts apart)", "1. Traces", "rejected records and errors"
-    ),
-    "vocab_coverage": FigureInfo(
-        "coverage vs draft vocabulary size from vocab/token_freq.npy", "2. Draft vocabulary", "coverage vs draft vocab size"
-    ),
-    "training_loss": FigureInfo("loss per step, total and per draft position (train and validation)", "3. Training", "loss per step"),
-    "training_accuracy": FigureInfo(
-        "per-position accuracy per step (train and validation)", "3. Training", "per-position accuracy per step"
-    ),
-    "acceptance": FigureInfo("acceptance length τ and per-position acceptance in vLLM", "4. Evaluation", "acceptance length in vLLM"),
-    "speedup": FigureInfo(
-        "output tokens/s with the drafter against without, per concurrency",
-        "4. Evaluation",
-        "speedup: tokens/s with and without the drafter",
-    ),
-    "throughput": FigureInfo("tokens/s and model load seconds of each stage", "5. Run time", "stage throughput"),
-    "estimate_vs_actual": FigureInfo(
-        "the plan's estimated seconds against each stage's wall time", "5. Run time", "estimated vs actual time"
-    ),
-}
 DPI = 110
 
 
