@@ -143,7 +143,8 @@ def test_bad_element_in_the_middle_of_an_array_loses_only_that_element(tmp_path)
     ps = build_prompt_set([{"type": "file", "path": str(p)}])
     assert sorted(r["messages"][0]["content"] for r in ps.records) == ["one", "three"]
     assert [(r.source, r.reason) for r in ps.rejects] == [(f"{p}[1]", "bad_json"), (f"{p}[3]", "bad_json")]
-    assert "line 3" in ps.rejects[0].detail and "truncated at the end" in ps.rejects[1].detail
+    assert ps.rejects[0].detail == "element 1 (line 3) is malformed: Expecting value at line 3 column 16; fix or remove it"
+    assert "truncated at the end" in ps.rejects[1].detail
 
 
 def _turns(*contents):

@@ -162,9 +162,13 @@ def iter_json_array(path: str | Path) -> Iterator[tuple[int, object]]:
                     error = (k, "expected ',' or ']' after the element")
         line += text.count("\n", counted, i)
         counted = i
+        # where it failed: its line and column (1-based), or its offset in a line too long to search back
+        nl = text.rfind("\n", max(0, i - 65536), error[0])
+        col = f"column {error[0] - nl}" if nl >= 0 or i < 65536 else f"character {error[0]} of the file"
+        where = f"{error[1].removesuffix(' at')} at line {line + text.count(chr(10), i, error[0])} {col}"
         resume = _resume_after(text, dec, i, error[0], end)
         what = "truncated at the end of the file" if resume is None and end is None else "malformed"
-        yield index, RecordError("bad_json", f"element {index} (line {line}) is {what}: {error[1]}; fix or remove it")
+        yield index, RecordError("bad_json", f"element {index} (line {line}) is {what}: {where}; fix or remove it")
         index += 1
         if resume is None:
             return
