@@ -128,7 +128,7 @@ def iter_json_array(path: str | Path) -> Iterator[tuple[int, object]]:
         raise InputError(f"{path}:{line}: invalid UTF-8 at byte {e.start}; re-encode the file as UTF-8") from e
     dec = json.JSONDecoder()
     n = len(text)
-    ws = re.compile(r"[\s,]*")
+    ws = _WS_COMMAS
     i = ws.match(text, 0).end()
     if i >= n or text[i] != "[":
         raise InputError(f"{path}: expected a JSON array (file must start with '['); use .jsonl for one object per line")
@@ -141,14 +141,14 @@ def iter_json_array(path: str | Path) -> Iterator[tuple[int, object]]:
         i = ws.match(text, i).end()
         if i >= n or i == end:
             return
-        error = None
+        error, at = None, None  # at: the decoder's (line, column) of its failure
         if text[i] == "]":  # a "]" before the array's own: damage in place of an element
             error = (i, "a ']' where an element should be")
         else:
             try:
                 obj, j = dec.raw_decode(text, i)
             except json.JSONDecodeError as e:
-                error = (e.pos, e.msg)
+                error, at = (e.pos, e.msg), (e.lineno, e.colno)
             else:
                 k = _WS.match(text, j).end()
                 if end is not None and j > end:  # it took the array's own "]": a bracket too many inside it
@@ -162,10 +162,9 @@ def iter_json_array(path: str | Path) -> Iterator[tuple[int, object]]:
                     error = (k, "expected ',' or ']' after the element")
         line += text.count("\n", counted, i)
         counted = i
-        # where it failed: its line and column (1-based), or its offset in a line too long to search back
-        nl = text.rfind("\n", max(0, i - 65536), error[0])
-        col = f"column {error[0] - nl}" if nl >= 0 or i < 65536 else f"character {error[0]} of the file"
-        where = f"{error[1].removesuffix(' at')} at line {line + text.count(chr(10), i, error[0])} {col}"
+        if at is None:  # our own checks fail at or near the element's start: its line, and the column there
+            at = (line + text.count("\n", i, error[0]), error[0] - text.rfind("\n", 0, error[0]))
+        where = f"{error[1].removesuffix(' at')} at line {at[0]} column {at[1]}"
         resume = _resume_after(text, dec, i, error[0], end)
         what = "truncated at the end of the file" if resume is None and end is None else "malformed"
         yield index, RecordError("bad_json", f"element {index} (line {line}) is {what}: {where}; fix or remove it")
@@ -179,6 +178,7 @@ def iter_json_array(path: str | Path) -> Iterator[tuple[int, object]]:
 #: of its line, or a bracket or comma: what :func:`_element_end` steps through.
 _JSON_TOKEN = re.compile(r'"(?:[^"\\\n]|\\.)*"|"[^\n]*|[][{},]')
 _WS = re.compile(r"\s*")
+_WS_COMMAS = re.compile(r"[\s,]*")  # between elements: commas left over from damage are skipped too
 _OPENER = re.compile(r"[\[{]")
 #: What :func:`_element_end` returns for an element the file ends inside.
 _CUT_OFF = -1
@@ -229,7 +229,7 @@ def _reads_on(
     (``first_must_decode``) the first element does not decode. Decodes a window of the text,
     so that a failure does not count the lines of the whole file."""
     window = text[at : at + (1 << 20)]
-    ws = re.compile(r"[\s,]*")
+    ws = _WS_COMMAS
     i, n = 0, len(window)
     for k in range(look):
         i = ws.match(window, i).end()
