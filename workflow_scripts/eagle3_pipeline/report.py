@@ -6,33 +6,22 @@ which rule plot_run's outputs are made from.
 
 Figures are :class:`matplotlib.figure.Figure` objects built without pyplot (no global
 state; they render with the Agg canvas), so each ``*_figure`` function can be unit-tested
-by reading its artists. matplotlib is imported when the first figure is made.
+by reading its artists.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
+from matplotlib.figure import Figure
 
 from .figures import FIGURES
 from .io import atomic_path, iter_jsonl, read_json
 from .vocab import coverage_curve
 
-if TYPE_CHECKING:
-    from matplotlib.figure import Figure
-
-
 DPI = 110
-
-
-def _figure(**kw) -> Figure:
-    """A new :class:`matplotlib.figure.Figure` (matplotlib imported here, on first use)."""
-    from matplotlib.figure import Figure
-
-    return Figure(**kw)
 
 
 #: Full-model and training stages in pipeline order (the keys of ``summary.json``'s ``throughput``).
@@ -81,7 +70,7 @@ def lengths_figure(prompt: np.ndarray, completion: np.ndarray, max_tokens: int |
     The completion panel marks ``max_tokens`` (generation's cap: completions that stopped
     there were truncated). Each title gives the count, median and mean.
     """
-    fig = _figure(figsize=(9, 3.6), layout="constrained")
+    fig = Figure(figsize=(9, 3.6), layout="constrained")
     axes = fig.subplots(1, 2)
     for ax, values, what in ((axes[0], prompt, "prompt"), (axes[1], completion, "completion")):
         if values.size == 0:
@@ -110,7 +99,7 @@ def generation_figure(summary: Mapping) -> Figure:
     g = summary["generation"]
     labels = ["prompts", "ok", "truncated", "looping", "with reasoning", "errored", "rejected"]
     values = [g["prompts"], g["ok"], g["truncated"], g.get("repetition_loops", 0), g["reasoning_captured"], g["errored"], g["rejected"]]
-    fig = _figure(figsize=(7.6, 3.6), layout="constrained")
+    fig = Figure(figsize=(7.6, 3.6), layout="constrained")
     ax = fig.subplots()
     bars = ax.bar(labels, values, color=["C7", "C2", "C1", "C5", "C4", "C3", "C3"])
     ax.bar_label(bars, labels=[f"{v:,}" for v in values], fontsize=8)
@@ -150,7 +139,7 @@ def rejects_figure(summary: Mapping) -> Figure:
     The title totals them by stage and, apart, the prompts beyond ``prompts.max_prompts``,
     which were not used rather than rejected (no bar)."""
     counts = reject_counts(summary)
-    fig = _figure(figsize=(7, max(2.4, 0.9 + 0.35 * len(counts))), layout="constrained")
+    fig = Figure(figsize=(7, max(2.4, 0.9 + 0.35 * len(counts))), layout="constrained")
     ax = fig.subplots()
     beyond = beyond_max_prompts(summary)
     unused = f"; {beyond:,} prompts beyond max_prompts, not used" if beyond else ""
@@ -185,7 +174,7 @@ def coverage_figure(counts: np.ndarray, coverage: Mapping) -> Figure:
     """
     cov = coverage_curve(counts)
     n = int(coverage["draft_vocab_size"])
-    fig = _figure(figsize=(7, 4), layout="constrained")
+    fig = Figure(figsize=(7, 4), layout="constrained")
     ax = fig.subplots()
     ax.plot(np.arange(1, cov.size + 1), cov, color="C0", label="best draft vocab of each size (top-N by frequency)")
     ax.axvline(n, color="C3", linestyle="--", linewidth=1, label=f"chosen size {n:,}")
@@ -233,7 +222,7 @@ def loss_figure(metrics: Mapping[str, list[dict]]) -> Figure:
     position's loss (speculators' ``training.loss``, e.g. KL divergence to the target's
     distribution, nats). Lines: training batches as logged; points: validation at
     each epoch end."""
-    fig = _figure(figsize=(10, 3.8), layout="constrained")
+    fig = Figure(figsize=(10, 3.8), layout="constrained")
     axes = fig.subplots(1, 2)
     if not any(metrics.values()):
         _note(axes[0], "no training metrics")
@@ -257,7 +246,7 @@ def accuracy_figure(metrics: Mapping[str, list[dict]]) -> Figure:
     """Per-position top-1 accuracy of the drafter per step: left, ``full_acc_k`` (positions 0..k all
     right: what speculative decoding accepts); right, ``cond_acc_k`` (position k right given the
     earlier ones were). Lines: training batches; points: validation at each epoch end."""
-    fig = _figure(figsize=(10, 3.8), layout="constrained")
+    fig = Figure(figsize=(10, 3.8), layout="constrained")
     axes = fig.subplots(1, 2)
     if not any(metrics.values()):
         _note(axes[0], "no training metrics")
@@ -290,7 +279,7 @@ def acceptance_figure(acceptance: Mapping) -> Figure:
     decodes them (``replay_acc_k``, ``replay_tau``: per draft step, like vLLM's)."""
     tau, k = acceptance["acceptance_length"], acceptance["num_speculative_tokens"]
     rates = acceptance["per_position_acceptance_rate"]
-    fig = _figure(figsize=(9, 3.8), layout="constrained")
+    fig = Figure(figsize=(9, 3.8), layout="constrained")
     left, right = fig.subplots(1, 2, width_ratios=[1, 3])
     bar = left.bar(["τ"], [tau], color="C2")
     # inside the bar: the replayed validation τ is drawn as a dot at the bar's top, often next to it
@@ -336,7 +325,7 @@ def speedup_figure(acceptance: Mapping) -> Figure:
     evaluation prompts with and without the drafter at each number of requests in flight, grouped
     bars, each pair labelled with its ratio (the speedup)."""
     rows = acceptance.get("speedup") or []
-    fig = _figure(figsize=(8, 3.6), layout="constrained")
+    fig = Figure(figsize=(8, 3.6), layout="constrained")
     ax = fig.subplots()
     if not rows:
         _note(ax, "no speedup measured (evaluation.speedup.concurrency is empty)")
@@ -364,7 +353,7 @@ def throughput_figure(summary: Mapping) -> Figure:
     from ``summary.json``'s ``throughput``; each bar is labelled with its model load seconds."""
     tp = summary.get("throughput") or {}
     stages = [s for s in STAGE_ORDER if s in tp] + sorted(set(tp) - set(STAGE_ORDER))
-    fig = _figure(figsize=(7, 3.2), layout="constrained")
+    fig = Figure(figsize=(7, 3.2), layout="constrained")
     ax = fig.subplots()
     if not stages:
         _note(ax, "no stage recorded its throughput")
@@ -386,7 +375,7 @@ def estimate_figure(summary: Mapping) -> Figure:
     stages of every start and resume of the run), grouped bars, each actual bar labelled with
     actual / estimate."""
     rows = [r for r in summary.get("estimate_vs_actual") or [] if r.get("estimated_seconds") is not None]
-    fig = _figure(figsize=(8, 3.6), layout="constrained")
+    fig = Figure(figsize=(8, 3.6), layout="constrained")
     ax = fig.subplots()
     if not rows:
         _note(ax, "no estimate to compare: no start plan had a pending stage (results/<run>/plans/)")
