@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -190,8 +191,8 @@ def test_a_broken_element_before_intact_ones_loses_only_itself(tmp_path, broken,
         ('[{"c":[{"v":"a"b"},{},{}]},{"B":1},{"C":2}]', [{"B": 1}, {"C": 2}]),
         ('[\n {"c": [\n  {"v": "a"\n  ],\n  {"v": "b"},\n  {"v": "c"}\n ]},\n {"B": 1},\n {"C": 2}\n]', [{"B": 1}, {"C": 2}]),
         ('[{"a":1,{"B":1},{"C":2}]', [{"B": 1}, {"C": 2}]),  # a "}" missing: the next record is where decoding failed
-        # here "[{"v":"a"}]" may as well be an element after a damaged '{"c":': an extra reject, no loss
-        ('[{"c":[{"v":"a"}],{"B":1},{"C":2}]', [[{"v": "a"}], {"B": 1}, {"C": 2}]),
+        # a "}" missing: "[{"v":"a"}]" reads on too, but it is a key's value, and '{"B":1}' follows a comma
+        ('[{"c":[{"v":"a"}],{"B":1},{"C":2}]', [{"B": 1}, {"C": 2}]),
         ('[{"a":1}},{"B":1},{"C":2}]', [{"B": 1}, {"C": 2}]),  # a "}" too many: what decodes first is not the record
         ('["a":1},{"B":1},{"C":2}]', [{"B": 1}, {"C": 2}]),  # its "{" missing
         ('[[{"x" 1}],[{"B":1}],[{"C":2}]]', [[{"B": 1}], [{"C": 2}]]),  # records given as lists of turns
@@ -262,6 +263,28 @@ def test_random_damage_to_one_record_loses_no_other(tmp_path):
         else:
             assert [o for _, o in got] == whole, case
     assert lost == []
+
+
+@pytest.mark.parametrize("indent", [None, 2, "\t"])
+def test_one_missing_bracket_is_one_reject_and_keeps_every_index(tmp_path, indent):
+    """Every single '}' or ']' of record 3 (of 8) deleted in turn, in three layouts: one
+    RecordError in its place and every other record at its own index, with no extra element
+    read out of the broken record (a turns list is a key's value, not placed as the records are)."""
+    recs = [
+        {"id": f"r{k}", "conversations": [{"from": "human", "value": f"q{k}"}, {"from": "gpt", "value": f"a{k}"}], "tags": ["t"]}
+        for k in range(8)
+    ]
+    text = json.dumps(recs, indent=indent)
+    starts = [m.start() for m in re.finditer(r'\{\s*"id"', text)]
+    closers = [k for k in range(starts[3], starts[4]) if text[k] in "]}"]
+    assert len(closers) == 5
+    path = tmp_path / "m.json"
+    for k in closers:
+        path.write_text(text[:k] + text[k + 1 :])
+        got = list(iter_json_array(path))
+        assert [i for i, _ in got] == list(range(8)), (indent, k)
+        assert isinstance(got[3][1], RecordError), (indent, k)
+        assert [o for i, o in got if i != 3] == recs[:3] + recs[4:], (indent, k)
 
 
 def test_an_unpaired_surrogate_is_one_counted_reject(tmp_path):

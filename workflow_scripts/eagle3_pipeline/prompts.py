@@ -137,10 +137,15 @@ def iter_json_array(path: str | Path) -> Iterator[tuple[int, object]]:
     i += 1
     index = 0
     counted, line = 0, 1  # lines counted up to offset `counted`, for the errors' line numbers
+    layout = None  # the whitespace after the comma before the latest element: the file's layout
     while True:
-        i = ws.match(text, i).end()
+        gap = ws.match(text, i)
+        i = gap.end()
         if i >= n or i == end:
             return
+        comma = gap.group().rfind(",")
+        if comma >= 0:
+            layout = gap.group()[comma + 1 :]
         error, at = None, None  # at: the decoder's (line, column) of its failure
         if text[i] == "]":  # a "]" before the array's own: damage in place of an element
             error = (i, "a ']' where an element should be")
@@ -165,7 +170,7 @@ def iter_json_array(path: str | Path) -> Iterator[tuple[int, object]]:
         if at is None:  # our own checks fail at or near the element's start: its line, and the column there
             at = (line + text.count("\n", i, error[0]), error[0] - text.rfind("\n", 0, error[0]))
         where = f"{error[1].removesuffix(' at')} at line {at[0]} column {at[1]}"
-        resume = _resume_after(text, dec, i, error[0], end)
+        resume = _resume_after(text, dec, i, error[0], end, layout)
         what = "truncated at the end of the file" if resume is None and end is None else "malformed"
         yield index, RecordError("bad_json", f"element {index} (line {line}) is {what}: {where}; fix or remove it")
         index += 1
@@ -184,37 +189,53 @@ _OPENER = re.compile(r"[\[{]")
 _CUT_OFF = -1
 
 
-def _resume_after(text: str, dec: json.JSONDecoder, start: int, error: int, end: int | None, tries: int = 256) -> int | None:
+def _resume_after(
+    text: str, dec: json.JSONDecoder, start: int, error: int, end: int | None, layout: str | None, tries: int = 256
+) -> int | None:
     """Where decoding resumes after the malformed array element at offset ``start`` (``error``:
-    where it failed; ``end``: the array's closing ``]``, None for a file cut off), or None where
-    no element follows it.
+    where it failed; ``end``: the array's closing ``]``, None for a file cut off; ``layout``: the
+    whitespace after the comma before the elements so far, None before the second), or None
+    where no element follows it.
 
     First the element's own end, its brackets matched outside strings (:func:`_element_end`):
     damage inside balanced brackets (a typo, a missing comma or value) costs that element
     alone. Else, or where what follows that end does not read as the rest of the array
     (:func:`_reads_on`), the first ``{`` or ``[`` after ``start`` (among the next ``tries``)
     from which the rest of the array decodes, up to its ``]`` or 64 elements, or up to damage
-    past ``error`` (a later broken element). An object nested in the broken element is not
-    taken: the ``]`` that closes its list is not the array's, or its elements run into the
-    same damage.
+    past ``error`` (a later broken element): first among those placed as the array's elements
+    are (:func:`_placed_as_element`), then among all. An object nested in the broken element is
+    not taken: the ``]`` that closes its list is not the array's, or its elements run into the
+    same damage; a list or object that is a key's value is taken only where nothing placed as
+    an element reads on (a comma deleted before the next record).
     """
     own = _element_end(text, start)
     if own == _CUT_OFF and end is None:  # the file's truncated last element: nothing follows it
         return None
     if own is not None and own != _CUT_OFF and _reads_on(text, dec, own, end)[0] != "no":
         return own
-    fallback, j = None, start
+    candidates, j = [], start
     for _ in range(tries):
         m = _OPENER.search(text, j + 1)
         if m is None:
             break
         j = m.start()
-        verdict, failed_at = _reads_on(text, dec, j, end, first_must_decode=True)
-        if verdict == "yes" or (verdict == "partly" and failed_at > error):
-            return j
-        if verdict == "partly" and fallback is None:
-            fallback = j
-    return fallback
+        candidates.append(j)
+    placed = [j for j in candidates if _placed_as_element(text, j, layout)]
+    for group in (placed, candidates):
+        for j in group:
+            verdict, failed_at = _reads_on(text, dec, j, end, first_must_decode=True)
+            if verdict == "yes" or (verdict == "partly" and failed_at > error):
+                return j
+    return None
+
+
+def _placed_as_element(text: str, at: int, layout: str | None) -> bool:
+    """Whether offset ``at`` follows a comma and the array's ``layout`` (the whitespace between
+    its elements' commas and their starts; any whitespace where None), as its elements do."""
+    k = at
+    while k > 0 and text[k - 1] in " \t\r\n":  # JSON's whitespace
+        k -= 1
+    return k > 0 and text[k - 1] == "," and (layout is None or text[k:at] == layout)
 
 
 def _reads_on(
