@@ -636,3 +636,22 @@ def test_a_profile_script_given_a_bad_input_stops_before_its_first_phase_saying_
     )
     assert r.returncode == 2 and "cannot start" in r.stderr and says in r.stderr, r.stderr[-2000:]
     assert not out.exists()  # nothing ran
+
+
+def test_the_workload_benchmark_measures_the_prompt_tokens_the_plan_assumes(tmp_path, target_dir):
+    """benchmarks/workload.py over the first 200 prompts of each ``prompts.turns`` set: every prompt
+    counted once (kept or too long), its mean the kept prompts' tokens over their count, and that
+    mean within 25% of the figure the plan uses for the whole set (references.json)."""
+    from eagle3_pipeline.plan import PROMPT_TOKENS_BY_TURNS
+
+    out = tmp_path / "w.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/workload.py"), "--tokenizer", str(target_dir), "--max-prompts", "200", "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["failed"] == [] and set(doc["phases"]) == set(PROMPT_TOKENS_BY_TURNS)
+    for turns, m in doc["phases"].items():
+        assert m["prompts"] == 200 and m["kept"] + m["too_long"] == 200, turns
+        assert m["mean_prompt_tokens"] == pytest.approx(m["prompt_tokens"] / m["kept"], abs=0.05), turns
+        assert m["mean_prompt_tokens"] == pytest.approx(PROMPT_TOKENS_BY_TURNS[turns], rel=0.25), turns
+        assert m["plan_uses"] == PROMPT_TOKENS_BY_TURNS[turns]

@@ -71,11 +71,12 @@ def job_stage(job: dict) -> str:
     return job.get("stage") or job["rule"]
 
 
-def load_references(path: str | Path | None = None) -> dict:
+def load_references(path: str | Path | None = None, section: str = "platforms") -> dict:
     """The measured reference figures (``references.json`` beside this module: each figure with its
-    source and the command that measured it), ``{platform: [reference, ...]}``."""
+    source and the command that measured it): section ``platforms``, ``{platform: [reference,
+    ...]}``, or ``workload``, ``{name: {"value": ..., "source": ..., "command": ...}}``."""
     path = Path(path) if path else Path(__file__).with_name("references.json")
-    return json.loads(path.read_text(encoding="utf-8"))["platforms"]
+    return json.loads(path.read_text(encoding="utf-8"))[section]
 
 
 #: Reference throughputs (tokens/s, load s) per platform and target, with where and how they were
@@ -102,16 +103,15 @@ def reference_for(platform: str, params: int, amx: bool | None = None) -> dict:
     return min(same_kind or refs, key=lambda r: abs(math.log(r["params"] / max(params, 1))))
 
 
-#: Completion tokens per prompt as a fraction of ``max_tokens`` (demo run: 59,792 / 296 / 256),
-#: for generation's answers and for the evaluation's (0.83 in the demo runs: 16,944 / 80 / 256).
-COMPLETION_FILL = 0.79
-#: Prompt tokens per ShareGPT prompt after the target's chat template, by ``prompts.turns``:
-#: ``first`` 172 (demo run: 50,929 / 296; the H200 run: 2,603,181 / 15,299 = 170), ``multi``
-#: 961 and ``each`` 728: SmolLM2's template over the built-in ShareGPT's 15,075 and 55,180
-#: prompts that leave ``generation.min_completion_tokens`` (16) of ``max_seq_len`` 2,048
-#: (counted 2026-12-01). A multi-turn prompt carries its history: with ``each``, 68% of the tokens
-#: that extraction stores are prompt tokens.
-PROMPT_TOKENS_BY_TURNS = {"first": 172, "multi": 961, "each": 728}
+#: The token counts per prompt a plan assumes before its run has traces, each with where and
+#: how it was measured (``references.json``'s ``workload``).
+WORKLOAD = load_references(section="workload")
+#: Completion tokens per prompt as a fraction of ``max_tokens``, for generation's answers and for
+#: the evaluation's (the demo run).
+COMPLETION_FILL = WORKLOAD["completion_fill"]["value"]
+#: Templated prompt tokens per ShareGPT prompt by ``prompts.turns`` (``first``, ``multi``,
+#: ``each``): a multi-turn prompt carries its history.
+PROMPT_TOKENS_BY_TURNS = WORKLOAD["prompt_tokens_by_turns"]["value"]
 PROMPT_TOKENS = PROMPT_TOKENS_BY_TURNS["first"]
 
 
