@@ -17,6 +17,7 @@ import pytest
 
 from eagle3_pipeline import shard_job
 from eagle3_pipeline.io import file_stat, sha256_file, write_json_atomic, write_text_atomic
+from eagle3_pipeline.layout import RunLayout
 from eagle3_pipeline.resume import ChunkStore
 from eagle3_pipeline.shard_job import ShardJob, ShardRun, run_shard_job
 
@@ -369,28 +370,35 @@ def test_the_start_keeps_each_stages_finished_outputs_by_their_own_record(tmp_pa
     altered.write_text("edited\n")
     shard, index = tmp_path / "shard-00000.safetensors", tmp_path / "shard-00000.index.json"
     finished(shard, index, INDEX_HASH_KEYS, "states")
-    drafter, metrics, train_summary = tmp_path / "drafter", tmp_path / "metrics.jsonl", tmp_path / "summary.json"
-    drafter.mkdir()
-    (drafter / "model.safetensors").write_text("weights")
-    record_files(drafter)
-    metrics.write_text("{}\n")
-    write_json_atomic(train_summary, {"fingerprint": "fp-train"})
+    layout = RunLayout.at(tmp_path / "run")  # training's record is the layout's, not found by its name
+    drafter, metrics, train_summary = Path(layout.drafter()), Path(layout.train_metrics()), Path(layout.train_summary())
+    sweep = layout.variant("ttt1")  # a sweep variant's training: its record under its own folder
+    v_drafter, v_metrics, v_summary = Path(sweep.drafter()), Path(sweep.train_metrics()), Path(sweep.train_summary())
+    for d, m, summ, fp in ((drafter, metrics, train_summary, "fp-train"), (v_drafter, v_metrics, v_summary, "fp-ttt1")):
+        d.mkdir(parents=True)
+        m.parent.mkdir()
+        (d / "model.safetensors").write_text("weights")
+        record_files(d)
+        m.write_text("{}\n")
+        write_json_atomic(summ, {"fingerprint": fp})
     jobs = [
         {"stage": "generate_traces", "output": [str(traces), str(tmp_path / "r0.jsonl"), str(summary)]},
         {"stage": "generate_traces", "output": [str(altered), str(tmp_path / "r1.jsonl"), str(altered_summary)]},
         {"stage": "extract_hidden_states", "output": [str(shard), str(index)]},
         {"stage": "train_drafter", "output": [str(drafter), str(metrics), str(train_summary)]},
+        {"stage": "train_drafter", "output": [str(v_drafter), str(v_metrics), str(v_summary)], "wildcards": {"variant": "ttt1"}},
         {"stage": "evaluate_drafter", "output": [str(tmp_path / "acceptance.json")]},
     ]
     for j in jobs[:2]:
         Path(j["output"][1]).write_text("")
     marked = {o for j in jobs for o in j["output"]}
     monkeypatch.setattr(snakemake_adapter, "incomplete_outputs", lambda _wf: marked)
-    assert snakemake_adapter.keep_incomplete_finished_shards(None, jobs) == [str(traces), str(shard), str(drafter)]
+    assert snakemake_adapter.keep_incomplete_finished_shards(None, jobs, layout) == [str(traces), str(shard), str(drafter), str(v_drafter)]
     for main, record, fp in (
         (traces, summary, "fp-shard-00000.jsonl"),
         (shard, index, "fp-shard-00000.safetensors"),
         (drafter, train_summary, "fp-train"),
+        (v_drafter, v_summary, "fp-ttt1"),
     ):
         kept = ChunkStore.dir_for(main)
         assert (kept / "FINGERPRINT").read_text() == fp + "\n"  # the fingerprint its record names
@@ -399,7 +407,7 @@ def test_the_start_keeps_each_stages_finished_outputs_by_their_own_record(tmp_pa
         assert (link / "model.safetensors").samefile(main / "model.safetensors") if main.is_dir() else link.samefile(main)
     assert (ChunkStore.dir_for(drafter) / "finished-metrics.jsonl").samefile(metrics)
     assert not ChunkStore.dir_for(altered).exists()
-    marked.discard(str(metrics))  # not all of the training's outputs marked: its job had not finished
-    for main in (traces, shard, drafter):
+    marked -= {str(metrics), str(v_metrics)}  # not all of the training's outputs marked: its job had not finished
+    for main in (traces, shard, drafter, v_drafter):
         shutil.rmtree(ChunkStore.dir_for(main))
-    assert snakemake_adapter.keep_incomplete_finished_shards(None, jobs) == [str(traces), str(shard)]
+    assert snakemake_adapter.keep_incomplete_finished_shards(None, jobs, layout) == [str(traces), str(shard)]

@@ -152,9 +152,9 @@ def made_by_snakemake(workflow) -> Callable[[str], bool]:
     return made
 
 
-def keep_incomplete_finished_shards(workflow, jobs: list[dict]) -> list[str]:
-    """The ``onstart`` hook's step (:func:`on_start`; ``jobs`` as :func:`needrun_jobs` lists them)
-    for the jobs a killed snakemake left marked incomplete
+def keep_incomplete_finished_shards(workflow, jobs: list[dict], layout: RunLayout) -> list[str]:
+    """The ``onstart`` hook's step (:func:`on_start`; ``jobs`` as :func:`needrun_jobs` lists them,
+    ``layout`` the run's) for the jobs a killed snakemake left marked incomplete
     although they had finished: each generation, extraction or training job whose outputs are all
     marked (:func:`incomplete_outputs`) and whose record names their bytes gets them kept for its
     rerun (:func:`eagle3_pipeline.shard_job.keep_for_rerun`), which takes them back instead of
@@ -173,13 +173,13 @@ def keep_incomplete_finished_shards(workflow, jobs: list[dict]) -> list[str]:
     def shard_bytes(keys: tuple[str, str]):  # the main output against the record's keys of its bytes
         return lambda main, record: functools.partial(recorded_sha256, main, record, *keys)
 
-    # per stage (its rule's first output is the main one): its record among the outputs, and the
+    # per stage (its rule's first output is the main one): its job's record among the outputs, and the
     # check of the main output against its record (training: the drafter folder's own record of files)
     stages = {
-        "generate_traces": (lambda outs: str(traces_summary_path(outs[0])), shard_bytes(SUMMARY_HASH_KEYS)),
-        "extract_hidden_states": (lambda outs: str(shard_index_path(outs[0])), shard_bytes(INDEX_HASH_KEYS)),
+        "generate_traces": (lambda job: str(traces_summary_path(job["output"][0])), shard_bytes(SUMMARY_HASH_KEYS)),
+        "extract_hidden_states": (lambda job: str(shard_index_path(job["output"][0])), shard_bytes(INDEX_HASH_KEYS)),
         "train_drafter": (
-            lambda outs: next((o for o in outs if Path(o).name == "summary.json"), ""),
+            lambda job: layout.variant(v).train_summary() if (v := job.get("wildcards", {}).get("variant")) else layout.train_summary(),
             lambda main, _record: functools.partial(check_recorded_files, main, exhaustive=True),
         ),
     }
@@ -192,7 +192,7 @@ def keep_incomplete_finished_shards(workflow, jobs: list[dict]) -> list[str]:
     kept = []
     for j in jobs:
         record_of, check_of = stages[j["stage"]]
-        record = record_of(j["output"])
+        record = record_of(j)
         outputs = [o for o in j["output"] if o != record]
         if record in j["output"] and keep_for_rerun(outputs, record, check_of(outputs[0], record)):
             kept.append(outputs[0])
@@ -506,7 +506,7 @@ def on_start(workflow, config: dict, layout: RunLayout, target_dir: str | None) 
     jobs = needrun_jobs(workflow)
     check_pending_inputs(jobs, made_by_snakemake(workflow))
     check_at_start(jobs, config, target_dir)
-    keep_incomplete_finished_shards(workflow, jobs)
+    keep_incomplete_finished_shards(workflow, jobs, layout)
     print_start_plan(jobs, config, layout, target_dir)
 
 
