@@ -483,12 +483,26 @@ def loader_workers(cfg: dict, device: str) -> int:
 
 
 def micro_batches(dataset, collate, packs: list[list[int]], *, workers: int, pin_memory: bool):
-    """Iterator of collated micro-batches, one per entry of ``packs`` (sample indices), in order.
+    """Iterator of collated micro-batches, one per entry of ``packs``, in order.
 
-    With ``workers > 0`` the packs are read and collated by that many forked loader
-    processes, up to 4 packs ahead each, into pinned memory when ``pin_memory`` (so the
-    host-to-device copy is asynchronous); the batches are the same as with ``workers = 0``
-    (collation is deterministic), only their timing changes.
+    Args:
+        dataset: a :class:`ShardDataset` (item ``i``: one sample's tensors).
+        collate: speculators' ``CollateFn`` (the training loader's ``collate_fn``): a pack's
+            samples concatenated into one zero-padded row of ``L = total_seq_len`` tokens,
+            ``hidden_states`` ``[1, L, A*H]`` and ``verifier_last_hidden_states`` ``[1, L, H]``
+            in the dataset's ``hidden_states_dtype``, ``input_ids`` / ``position_ids`` int64
+            ``[1, L]``, ``loss_mask`` ``[1, L]``, ``document_ids`` int64 ``[1, L]`` (the
+            sample's index in the pack, -1 on padding).
+        packs: per micro-batch, the dataset indices of its samples (a pack of speculators'
+            ``MultipackDistributedBatchSamplerV2``, this rank's share of each step).
+        workers: forked loader processes (0: read in this process).
+        pin_memory: collate into page-locked host memory, so that the host-to-device copy
+            (``_batch_to(..., non_blocking)``) overlaps the GPU's work.
+
+    With ``workers > 0`` each process reads and collates up to 4 packs ahead (torch's
+    ``DataLoader`` with ``batch_sampler=packs``); the batches are the same as with
+    ``workers = 0`` (collation is deterministic), only their timing changes. An empty
+    ``packs`` gives an empty iterator (no loader processes started).
     """
     from torch.utils.data import DataLoader
 
@@ -511,6 +525,21 @@ def evaluate_offline(
 ) -> dict:
     """Validation metrics: speculators' loss and per-position full/conditional accuracy (token-weighted sums),
     and, given ``d2t``, what vLLM would measure on the same answers.
+
+    Args:
+        model: the speculators ``Eagle3DraftModel`` (put in eval mode for the pass, back in
+            train mode after it).
+        loader: micro-batches as :func:`micro_batches` yields them (CPU tensors).
+        call_kwargs: the model's forward keywords (``ttt_steps``, the loss, ...), as training's step passes them.
+        device: ``"cuda"``, ``"cuda:N"`` or ``"cpu"``; autocast runs on its type.
+        autocast_dtype: ``torch.bfloat16`` / ``torch.float16``, or None for no autocast.
+        d2t: int64 ``[draft_vocab]``, draft id -> target id offsets (:func:`eagle3_pipeline.conventions.draft_to_target`).
+        replay_max_tokens: see below.
+
+    Returns:
+        ``{metric: float}``: speculators' normalised metrics (``loss``, ``full_acc_j``,
+        ``cond_acc_j``, ...) and, given ``d2t``, ``replay_tau`` and ``replay_acc_j``; ``{}``
+        for an empty loader.
 
     ``replay_tau`` and ``replay_acc_j`` (``j < ttt_steps``) replay greedy speculative decoding
     with ``k = ttt_steps`` over each validation answer (:mod:`eagle3_pipeline.acceptance`): τ
