@@ -5,8 +5,9 @@ set (the built-in ShareGPT, decontaminated against MT-Bench, every prompt: ``max
 built as rule prepare_prompts builds it, each prompt rendered with the embedded target's chat
 template (SmolLM2's) as generation renders it, the prompts that leave
 ``generation.min_completion_tokens`` within ``max_seq_len`` kept as generation keeps them; then
-their mean prompt tokens. ``references.json``'s ``workload.prompt_tokens_by_turns`` holds the
-figures (:data:`eagle3_pipeline.plan.PROMPT_TOKENS_BY_TURNS`). The embedded target's tokenizer is
+their mean prompt tokens. ``references.json``'s ``workload`` holds the figures (the prompt counts:
+:data:`eagle3_pipeline.plan.SHAREGPT_PROMPTS_BY_TURNS`, the means:
+:data:`eagle3_pipeline.plan.PROMPT_TOKENS_BY_TURNS`). The embedded target's tokenizer is
 made first by Snakemake (rule prepare_target_model) when it is missing.
 
 Prints JSON with, per setting, the prompts read, kept and rejected, their mean tokens and the
@@ -31,7 +32,7 @@ import phases  # noqa: E402
 
 from eagle3_pipeline.config import validate_config  # noqa: E402
 from eagle3_pipeline.generation import render_prompt_ids  # noqa: E402
-from eagle3_pipeline.plan import PROMPT_TOKENS_BY_TURNS  # noqa: E402
+from eagle3_pipeline.plan import PROMPT_TOKENS_BY_TURNS, SHAREGPT_PROMPTS_BY_TURNS  # noqa: E402
 from eagle3_pipeline.prompts import Decontaminator, build_prompt_set, load_eval_questions  # noqa: E402
 
 
@@ -53,6 +54,7 @@ def prompt_tokens(turns: str, tokenizer, max_prompts: int | None = None) -> dict
         "prompt_tokens": sum(kept),
         "mean_prompt_tokens": round(sum(kept) / len(kept), 1),
         "plan_uses": PROMPT_TOKENS_BY_TURNS[turns],
+        "plan_prompts": SHAREGPT_PROMPTS_BY_TURNS[turns],
     }
 
 

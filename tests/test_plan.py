@@ -20,6 +20,7 @@ from eagle3_pipeline.plan import (
     PROMPT_TOKENS,
     PROMPT_TOKENS_BY_TURNS,
     REFERENCES,
+    SHAREGPT_PROMPTS_BY_TURNS,
     estimate_params,
     estimate_vs_actual,
     format_plan,
@@ -86,8 +87,8 @@ def test_fresh_run_is_planned_from_the_reference_figures(tmp_path):
 def test_every_sharegpt_prompt_is_planned_by_the_turns_setting(tmp_path):
     # a multi-turn prompt carries its history: more templated tokens per prompt with `each`, most with `multi`
     assert PROMPT_TOKENS_BY_TURNS["first"] < PROMPT_TOKENS_BY_TURNS["each"] < PROMPT_TOKENS_BY_TURNS["multi"]
-    for turns, prompts in (("first", 17_000), ("multi", 17_000), ("each", 56_000)):
-        prompt_tokens = PROMPT_TOKENS_BY_TURNS[turns]
+    for turns in ("first", "multi", "each"):
+        prompts, prompt_tokens = SHAREGPT_PROMPTS_BY_TURNS[turns], PROMPT_TOKENS_BY_TURNS[turns]
         cfg = validate_config({"prompts": {"max_prompts": None, "turns": turns}, "generation": {"max_tokens": 100}})
         plan = _by_stage(make_plan(cfg, BUILTIN_SHAPE, tmp_path, "cpu"))
         gen, ext = plan["generate_traces"], plan["extract_hidden_states"]
@@ -561,6 +562,8 @@ def test_reference_figures_are_data_with_a_source_and_command_each():
     workload = load_references(section="workload")
     assert workload["completion_fill"]["value"] == COMPLETION_FILL and 0 < COMPLETION_FILL <= 1
     assert workload["prompt_tokens_by_turns"]["value"] == PROMPT_TOKENS_BY_TURNS
+    assert workload["sharegpt_prompts_by_turns"]["value"] == SHAREGPT_PROMPTS_BY_TURNS
+    assert list(SHAREGPT_PROMPTS_BY_TURNS) == list(PROMPT_TOKENS_BY_TURNS)
     assert list(PROMPT_TOKENS_BY_TURNS) == load_schema()["properties"]["prompts"]["properties"]["turns"]["enum"]
     for name, fig in workload.items():
         assert fig["source"] and fig["command"], name

@@ -112,6 +112,9 @@ COMPLETION_FILL = WORKLOAD["completion_fill"]["value"]
 #: Templated prompt tokens per ShareGPT prompt by ``prompts.turns`` (``first``, ``multi``,
 #: ``each``): a multi-turn prompt carries its history.
 PROMPT_TOKENS_BY_TURNS = WORKLOAD["prompt_tokens_by_turns"]["value"]
+#: Prompts of the default prompt set (the built-in ShareGPT, every prompt) by ``prompts.turns``:
+#: what ``prompts.max_prompts: null`` is planned for before prepare_prompts has counted them.
+SHAREGPT_PROMPTS_BY_TURNS = WORKLOAD["sharegpt_prompts_by_turns"]["value"]
 PROMPT_TOKENS = PROMPT_TOKENS_BY_TURNS["first"]
 
 
@@ -417,10 +420,12 @@ def make_plan(
     prompts_summary = prompts_summary if isinstance(kept, int) else None
     n_prompts = kept if prompts_summary else cfg["prompts"]["max_prompts"]
     src_prompts = "prompts/summary.json" if prompts_summary else "prompts.max_prompts"
-    if n_prompts is None and cfg["prompts"]["turns"] == "each":
-        n_prompts, src_prompts = 56_000, "every ShareGPT user turn (~56K usable; set prompts.max_prompts for a sharper plan)"
-    elif n_prompts is None:
-        n_prompts, src_prompts = 17_000, "all ShareGPT first turns (~17K usable; set prompts.max_prompts for a sharper plan)"
+    if n_prompts is None:
+        turns = cfg["prompts"]["turns"]
+        n_prompts = SHAREGPT_PROMPTS_BY_TURNS[turns]
+        src_prompts = (
+            f"every prompt of the built-in ShareGPT with turns: {turns} ({n_prompts:,}; set prompts.max_prompts for a sharper plan)"
+        )
     if traces:
         ok = sum(t["ok"] for t in traces)
         p_tok = sum(t["prompt_tokens"] for t in traces) / max(ok, 1)
