@@ -146,16 +146,17 @@ class ChunkFiller:
         """Add ``seconds`` of one writer thread to ``part`` (``copy_wait``: the thread waiting for
         the request's device-to-host copy, timed by the connector; its end is stamped as
         ``last_copy_done``: when a writer thread had the copy, which is later than its arrival
-        where every thread was busy)."""
+        where every thread was busy), or of the engine's thread (``submit``: handing a finished
+        request to the copy and the writers, on a GPU engine)."""
         with self._lock:
-            self._seconds[part] += seconds
+            self._seconds[part] = self._seconds.get(part, 0.0) + seconds
             if part == "copy_wait":
                 self._last["last_copy_done"] = time.time()
 
     def stats(self) -> dict:
         """The writer threads' work so far: ``requests``, ``bytes`` written, ``seconds`` summed
         over the threads for each part (``copy_wait``, ``check``: ids, reorder and finiteness,
-        ``write``: into the shard), against which a driver sets its engine's prefill time, and
+        ``write``: into the shard; on a GPU engine also ``submit``, the engine thread's), against which a driver sets its engine's prefill time, and
         when the last copy arrived and the last write ended (``last_copy_done``,
         ``last_write_done``: Unix time in seconds, None before the first), against which it sets
         the end of its prefill."""
@@ -285,7 +286,12 @@ def _connector_class():
 
         def _submit_async_write(self, pending) -> None:
             if self._kv_cache is None or self._kv_cache.device.type != "cpu":
-                return super()._submit_async_write(pending)
+                # on the engine's own thread: the gather from the cache buffer, a pinned host
+                # tensor for the request, the copy's launch (the parent's)
+                t = time.perf_counter()
+                out = super()._submit_async_write(pending)
+                self._filler.account("submit", time.perf_counter() - t)
+                return out
             if not self._is_tp_rank_zero:
                 return None
             blocks = torch.tensor(pending.block_ids, dtype=torch.long)
