@@ -491,3 +491,31 @@ def test_an_edited_prompt_shard_is_refused_at_the_start_and_by_generation(tmp_pa
     assert str(e.value) == problem
     shard.write_text("\n" + shard.read_text())  # a blank line first: the file's own line numbers
     assert edited_prompts(shard).startswith(f"{shard}:3: prompt {records[1]['id']!r}")
+
+
+def test_a_prompt_removed_from_or_repeated_in_a_shard_is_refused_at_the_start(tmp_path):
+    """Removing or repeating a whole record leaves every id the hash of its messages; the prompt
+    set's summary (prompts/summary.json, ``shards``: records per shard as prepare_prompts wrote
+    them) shows it, at the run's start as in generation. Without that summary only ids are checked."""
+    from eagle3_pipeline.io import write_json_atomic
+    from eagle3_pipeline.layout import RunLayout
+    from eagle3_pipeline.prompts import build_prompt_set, edited_prompts
+    from eagle3_pipeline.verify import recorded_input_problems
+
+    records = build_prompt_set([{"type": "builtin_sharegpt"}], turns="first", max_prompts=5).records
+    lay = RunLayout.at(tmp_path / "run")
+    shards = [Path(lay.prompt_shard("00000")), Path(lay.prompt_shard("00001"))]
+    shards[0].parent.mkdir(parents=True)
+    lines = [json.dumps(r) + "\n" for r in records]
+    shards[0].write_text("".join(lines[:2]))
+    shards[1].write_text("".join(lines[2:]))
+    write_json_atomic(lay.prompt_summary(), {"kept": 5, "shards": [2, 3]})
+    assert recorded_input_problems(map(str, shards), map(str, shards)) == []
+    for edited in ("".join(lines[2:4]), "".join(lines[2:] + lines[3:4])):  # one removed; one repeated
+        shards[1].write_text(edited)
+        n = edited.count("\n")
+        (problem,) = recorded_input_problems(map(str, shards), map(str, shards))
+        assert problem.startswith(f"{shards[1]}: {n} records, but prepare_prompts wrote 3 ({lay.prompt_summary()})")
+        assert f"--forcerun {shards[1]}" in problem and edited_prompts(shards[0]) is None
+    Path(lay.prompt_summary()).unlink()
+    assert edited_prompts(shards[1]) is None  # a shard from elsewhere: its ids alone

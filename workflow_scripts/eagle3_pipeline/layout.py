@@ -43,6 +43,18 @@ def index_beside(shard_path: str | os.PathLike) -> Path:
     return p.with_name(p.name.replace(".safetensors", ".index.json"))
 
 
+#: The prompt set's summary file in ``prompts/`` (:meth:`RunLayout.prompt_summary`).
+PROMPT_SUMMARY = "summary.json"
+
+
+def prompt_summary_beside(prompt_shard: str | os.PathLike) -> tuple[Path, int]:
+    """The prompt set's summary (:meth:`RunLayout.prompt_summary`) beside one of its shards, and the
+    shard's position in the summary's ``shards`` counts (``prompts/shard-00003.jsonl`` →
+    ``(prompts/summary.json, 3)``)."""
+    p = Path(prompt_shard)
+    return p.with_name(PROMPT_SUMMARY), int(p.stem.removeprefix(shard_name("")))
+
+
 def summary_beside(traces_path: str | os.PathLike) -> Path:
     """The ``.summary.json`` beside a trace shard (``shard-00000.jsonl`` → ``shard-00000.summary.json``)."""
     p = Path(traces_path)
@@ -144,7 +156,7 @@ class RunLayout:
     def prompt_summary(self) -> str:
         """``prompts/summary.json``: prompt counts and rejects by reason. Written by prepare_prompts;
         read by summarize_run and the plan (its prompt count)."""
-        return f"{self.dir}/prompts/summary.json"
+        return f"{self.dir}/prompts/{PROMPT_SUMMARY}"
 
     def eval_prompts(self) -> str:
         """``eval/prompts.jsonl``: the held-out evaluation questions. Written by prepare_eval_prompts;

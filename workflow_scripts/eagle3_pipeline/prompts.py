@@ -512,7 +512,10 @@ def prompt_id(messages: list[dict]) -> str:
 def edited_prompts(path: str | Path, numbered: Iterable[tuple[int, dict]] | None = None) -> str | None:
     """What shows a prompt shard (``prompts/shard-NNNNN.jsonl``) was edited after prepare_prompts
     wrote it, or None: every record's ``id`` is :func:`prompt_id` of its ``messages``, so a
-    record whose id is not is one whose messages changed (or an id changed by hand).
+    record whose id is not is one whose messages changed (or an id changed by hand); and the
+    shard holds as many records as the prompt set's summary says prepare_prompts wrote into it
+    (``shards``, :func:`eagle3_pipeline.layout.prompt_summary_beside`), so a record removed,
+    added or repeated shows too. A shard without that summary beside it is checked by its ids only.
 
     Args:
         path: the shard.
@@ -520,23 +523,34 @@ def edited_prompts(path: str | Path, numbered: Iterable[tuple[int, dict]] | None
             yields them, where the caller has read them already; None: read from ``path``.
 
     Returns:
-        one line naming the file, the first such record's line and id, how many there are, and
-        how to remake the shard; None when every id matches.
+        one line naming the file, the first such record's line and id and how many there are
+        (or the two counts), and how to remake the shard; None when every id and the count match.
 
     Raises:
         InputError: a line of the shard is not a JSON object (:func:`eagle3_pipeline.io.iter_jsonl`).
     """
-    from .io import iter_jsonl, remake_hint
+    from .io import iter_jsonl, read_json, remake_hint
+    from .layout import prompt_summary_beside
 
-    records = iter_jsonl(path) if numbered is None else numbered
+    records = list(iter_jsonl(path) if numbered is None else numbered)
     bad = [(n, r.get("id")) for n, r in records if r.get("id") != prompt_id(r.get("messages"))]
-    if not bad:
+    if bad:
+        n, pid = bad[0]
+        return (
+            f"{path}:{n}: prompt {pid!r} is not the hash of its messages ({len(bad)} such record(s)): the shard was edited after "
+            f"prepare_prompts wrote it, and its traces would not be its prompts'; {remake_hint(path)}"
+        )
+    try:
+        summary, k = prompt_summary_beside(path)
+        wrote = read_json(summary)["shards"][k]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):  # no summary (a shard from elsewhere), or not ours
         return None
-    n, pid = bad[0]
-    return (
-        f"{path}:{n}: prompt {pid!r} is not the hash of its messages ({len(bad)} such record(s)): the shard was edited after "
-        f"prepare_prompts wrote it, and its traces would not be its prompts'; {remake_hint(path)}"
-    )
+    if wrote != len(records):
+        return (
+            f"{path}: {len(records)} records, but prepare_prompts wrote {wrote} ({summary}): records were removed or added "
+            f"after it wrote the shard, and its traces would not be its prompts'; {remake_hint(path)}"
+        )
+    return None
 
 
 # --------------------------------------------------------------------------- decontamination
