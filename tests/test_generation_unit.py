@@ -839,6 +839,35 @@ def test_a_warm_start_drafter_that_does_not_fit_stops_the_run_at_its_start(tmp_p
         why([train], **fits)
 
 
+def test_an_empty_evaluation_prompt_file_stops_the_run_at_its_start(tmp_path):
+    """An evaluation.prompts file with no question passed prepare_eval_prompts ("0 evaluation
+    questions") and failed in evaluate_drafter, after generation, extraction and training, with an
+    IndexError. load_eval_questions refuses it, and the run's start says so when a job that reads
+    the questions is pending (prepare_prompts only when it decontaminates against them)."""
+    from eagle3_pipeline import snakemake_adapter
+    from eagle3_pipeline.io import InputError
+    from eagle3_pipeline.prompts import load_eval_questions
+
+    empty = tmp_path / "eval.jsonl"
+    empty.write_text("\n \n")
+    source = {"type": "file", "path": str(empty)}
+    with pytest.raises(InputError, match=rf"^{re.escape(str(empty))}: no evaluation questions \(the file is empty"):
+        load_eval_questions(source)
+    jobs = {r: {"rule": r, "stage": r, "wildcards": {}} for r in ("prepare_eval_prompts", "prepare_prompts", "train_drafter")}
+
+    def why(rules, **cfg):
+        return snakemake_adapter.problem_at_start(
+            [jobs[r] for r in rules], validate_config({"evaluation": {"prompts": source}, **cfg}), None
+        )
+
+    assert why(["prepare_eval_prompts", "prepare_prompts"]).startswith(f"{empty}: no evaluation questions")
+    assert why(["prepare_prompts"]).startswith(f"{empty}: no evaluation questions")  # decontamination reads them
+    assert why(["prepare_prompts"], prompts={"decontaminate": False}) is None
+    assert why(["train_drafter"]) is None  # questions already prepared: not read again
+    empty.write_text('{"turns": ["What is 2 + 2?"]}\n')
+    assert why(["prepare_eval_prompts", "prepare_prompts"]) is None
+
+
 def _engine(lengths, prompt_lens, slots, prog, clock, prefill_cost, decode_cost, budget=2048):
     """Drive ``prog`` as a vLLM engine with chunked prefill would: it holds up to ``slots``
     requests; each step spends its ``budget`` tokens on one token for every decoding request,

@@ -150,6 +150,8 @@ def run_eval(
     kept, rejects = fit_prompts(questions, prompts, eval_cfg["max_tokens"], max_seq_len) if max_seq_len else (list(range(len(prompts))), [])
     if rejects:
         logger.warning("%d of %d evaluation prompts are too long and not evaluated: %s", len(rejects), len(prompts), rejects[0]["detail"])
+    if not kept and not rejects:
+        raise InputError("no evaluation prompts to evaluate: the evaluation's prompt file holds none (evaluation.prompts)")
     if not kept:
         raise InputError(f"no evaluation prompt fits: {rejects[0]['detail']} (all {len(rejects)} prompts)")
     questions, prompts = [questions[i] for i in kept], [prompts[i] for i in kept]

@@ -614,8 +614,8 @@ def load_eval_questions(source: dict) -> list[dict]:
     is MT-Bench's list of user turns; a single string is taken as one turn.
 
     Raises:
-        InputError: the file is missing, or a line has no usable turns or a turn that is not a
-            non-empty string (naming the file and line).
+        InputError: the file is missing or holds no question, or a line has no usable turns or a
+            turn that is not a non-empty string (naming the file and line).
     """
     if source["type"] == "builtin_mtbench":
         path = builtin_mtbench_path()
@@ -643,6 +643,11 @@ def load_eval_questions(source: dict) -> list[dict]:
             raise InputError(f"{path}:{lineno}: no user turns")
         qid = obj.get("question_id", obj.get("id", lineno))
         out.append({"id": f"{label}:{qid}", "turns": turns, "category": obj.get("category", "")})
+    if not out:
+        raise InputError(
+            f"{path}: no evaluation questions (the file is empty or holds blank lines only); give one question per line "
+            '({"turns": [...]}, or "messages"/"conversations"), or evaluation.prompts: {type: builtin_mtbench}'
+        )
     return out
 
 

@@ -427,10 +427,30 @@ def warm_start_problem(jobs: list[dict], config: dict, target_dir: str | None) -
     return None
 
 
+def eval_prompts_problem(jobs: list[dict], config: dict) -> str | None:
+    """Why the evaluation questions (``evaluation.prompts``) cannot be read, or None, when a pending
+    job reads them (prepare_eval_prompts; prepare_prompts, which decontaminates against them unless
+    ``prompts.decontaminate`` is off): a
+    missing or empty file, a line without usable turns (:func:`eagle3_pipeline.prompts.load_eval_questions`,
+    which those jobs run). Checked at the start because with decontamination off generation does
+    not wait for them, and a run would fail only after its jobs running then had finished."""
+    from .prompts import load_eval_questions
+
+    readers = {"prepare_eval_prompts", *(["prepare_prompts"] if config["prompts"]["decontaminate"] else [])}
+    if not any(j["rule"] in readers for j in jobs):
+        return None
+    try:
+        load_eval_questions(config["evaluation"]["prompts"])
+    except InputError as e:
+        return str(e)
+    return None
+
+
 def problem_at_start(jobs: list[dict], config: dict, target_dir: str | None) -> str | None:
     """Why a run of ``jobs`` (as :func:`needrun_jobs` lists them) would be refused at its start, or
     None: a pending training job's loss speculators does not know (:func:`training_loss_problem`);
     a pending vocab or training job's warm-start drafter that does not fit (:func:`warm_start_problem`);
+    evaluation questions that cannot be read (:func:`eval_prompts_problem`);
     when a ``generate_traces`` job is among them,
     :func:`eagle3_pipeline.target_model.tokenizer_problem` (the tokenizer renders a chat prompt)
     and :func:`eagle3_pipeline.engine.check_eagle3_target` as generation's job runs it (vLLM's model
@@ -444,6 +464,8 @@ def problem_at_start(jobs: list[dict], config: dict, target_dir: str | None) -> 
     if (why := training_loss_problem(jobs, config)) is not None:
         return why
     if (why := warm_start_problem(jobs, config, target_dir)) is not None:
+        return why
+    if (why := eval_prompts_problem(jobs, config)) is not None:
         return why
     if target_dir is None or not any(j["rule"] == "generate_traces" for j in jobs):
         return None
