@@ -358,6 +358,16 @@ def test_a_device_is_auto_cpu_or_a_cuda_device_torch_sees():
         check_device_available(f"cuda:{n}", "extraction.device")
 
 
+def test_more_shards_than_prompts_is_refused_at_validation():
+    """prompts.num_shards above prompts.max_prompts was found by prepare_prompts' job ("3 prompts
+    cannot fill 8 shards") after the dry run had planned 8 generation jobs: a limit the config
+    states is checked with the config. Without max_prompts the count is the sources' (the job's)."""
+    with pytest.raises(ConfigError, match=r"prompts.num_shards 8 is more than prompts.max_prompts 3: .*lower prompts.num_shards"):
+        validate_config({"prompts": {"max_prompts": 3, "num_shards": 8}})
+    assert validate_config({"prompts": {"max_prompts": 8, "num_shards": 8}})["prompts"]["num_shards"] == 8
+    assert validate_config({"prompts": {"max_prompts": None, "num_shards": 8}})["prompts"]["num_shards"] == 8
+
+
 def test_min_completion_tokens_must_leave_room_for_a_prompt():
     with pytest.raises(ConfigError, match=r"generation.min_completion_tokens 512 leaves no room for a prompt within max_seq_len 512"):
         validate_config({"max_seq_len": 512, "generation": {"min_completion_tokens": 512}})

@@ -498,3 +498,14 @@ def test_a_messages_field_that_is_not_a_list_is_named_not_the_record():
     ):
         with pytest.raises(ValueError, match=rf"^bad_format: {what}; expected"):
             canonical_messages(raw)
+
+
+@pytest.mark.parametrize("name", ["p.JSONL", "p.Jsonl", "p.ndjson"])
+def test_a_jsonl_file_is_read_as_jsonl_whatever_the_case_of_its_suffix(tmp_path, name):
+    """A file named *.JSONL was read as a JSON array and refused ("expected a JSON array ... use
+    .jsonl"): the suffix is compared in any case, and .ndjson is one object per line too."""
+    p = tmp_path / name
+    p.write_text('{"messages": [{"role": "user", "content": "one"}]}\n{"messages": [{"role": "user", "content": "two"}]}\n')
+    ps = build_prompt_set([{"type": "file", "path": str(p)}])
+    assert sorted(r["messages"][0]["content"] for r in ps.records) == ["one", "two"]
+    assert [r["source"] for r in sorted(ps.records, key=lambda r: r["messages"][0]["content"])] == [f"{p}:1", f"{p}:2"]

@@ -314,6 +314,7 @@ def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) 
             mean 'lr' for 'lrr'?)``,
             or ``vllm.replicas_per_gpu`` > 1 with a multi-GPU engine, or
             ``generation.answers_per_prompt`` > 1 with greedy decoding (temperature 0),
+            ``prompts.num_shards`` > ``prompts.max_prompts``,
             ``generation.min_completion_tokens`` or ``evaluation.max_tokens`` >= ``max_seq_len``, or a
             ``vllm.extra_engine_args`` key the workflow sets from a setting
             (:data:`ENGINE_ARGS_FROM_SETTINGS`).
@@ -336,6 +337,13 @@ def validate_config(config: dict, schema_path: str | os.PathLike = SCHEMA_PATH) 
     # (a sweep variant that only reorders them changes nothing)
     speed = cfg["evaluation"]["speedup"]
     speed["concurrency"] = sorted(speed["concurrency"])
+    pr = cfg["prompts"]
+    if pr["max_prompts"] is not None and pr["num_shards"] > pr["max_prompts"]:
+        raise ConfigError(
+            f"invalid configuration: prompts.num_shards {pr['num_shards']} is more than prompts.max_prompts "
+            f"{pr['max_prompts']}: at most {pr['max_prompts']} prompts cannot fill {pr['num_shards']} shards (each shard "
+            "is a generation and an extraction job); lower prompts.num_shards or raise prompts.max_prompts"
+        )
     g = cfg["generation"]
     if g["min_completion_tokens"] >= cfg["max_seq_len"]:
         raise ConfigError(

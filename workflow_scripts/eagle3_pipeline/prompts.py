@@ -131,7 +131,7 @@ def iter_json_array(path: str | Path) -> Iterator[tuple[int, object]]:
     ws = _WS_COMMAS
     i = ws.match(text, 0).end()
     if i >= n or text[i] != "[":
-        raise InputError(f"{path}: expected a JSON array (file must start with '['); use .jsonl for one object per line")
+        raise InputError(f"{path}: expected a JSON array (file must start with '['); name it .jsonl for one object per line")
     last = len(text.rstrip()) - 1
     end = last if last > i and text[last] == "]" else None  # the array's own "]"; None: the file is cut off
     i += 1
@@ -329,6 +329,10 @@ def _with_own_id(where: str, obj: object) -> str:
     return f"{where} (id {own})"
 
 
+#: A prompt file read as one JSON object per line (the suffix in any case); any other is a JSON array.
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+
+
 def _load_source_records(source: dict) -> Iterator[tuple[str, object]]:
     """Yield ``(source label, raw record | RecordError)`` for one configured source."""
     kind = source["type"]
@@ -343,7 +347,7 @@ def _load_source_records(source: dict) -> Iterator[tuple[str, object]]:
             raise InputError(
                 f"prompt source file {path} does not exist (relative paths are resolved against the working directory {Path.cwd()}); fix prompts.sources[].path"
             )
-        if path.suffix == ".jsonl":
+        if path.suffix.lower() in JSONL_SUFFIXES:
             for lineno, obj in _iter_jsonl_records(path):
                 yield _with_own_id(f"{path}:{lineno}", obj), obj
         else:
