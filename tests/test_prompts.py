@@ -509,3 +509,24 @@ def test_a_jsonl_file_is_read_as_jsonl_whatever_the_case_of_its_suffix(tmp_path,
     ps = build_prompt_set([{"type": "file", "path": str(p)}])
     assert sorted(r["messages"][0]["content"] for r in ps.records) == ["one", "two"]
     assert [r["source"] for r in sorted(ps.records, key=lambda r: r["messages"][0]["content"])] == [f"{p}:1", f"{p}:2"]
+
+
+def test_a_record_or_turn_giving_both_forms_differently_is_an_ambiguous_reject(tmp_path):
+    """A record with both 'conversations' and 'messages', or a turn with both 'content' and
+    'value', kept one and dropped the other without a count. Both saying the same is one prompt;
+    saying different things is a counted 'ambiguous' reject naming the keys."""
+    same = {"conversations": [{"from": "human", "value": "hi"}], "messages": [{"role": "user", "content": "hi"}]}
+    differ = {"conversations": [{"from": "human", "value": "hi"}], "messages": [{"role": "user", "content": "DIFFERENT"}]}
+    turn = {"messages": [{"role": "user", "content": "a", "value": "b"}]}
+    roles = {"messages": [{"role": "user", "from": "gpt", "content": "c"}]}
+    aliases = {"messages": [{"role": "user", "from": "human", "content": "ho"}]}  # one role, two spellings: a prompt
+    p = tmp_path / "p.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in (same, differ, turn, roles, aliases)))
+    ps = build_prompt_set([{"type": "file", "path": str(p)}])
+    assert sorted(r["messages"][0]["content"] for r in ps.records) == ["hi", "ho"]
+    got = sorted((r.source, r.reason, r.detail) for r in ps.rejects)
+    assert got == [
+        (f"{p}:2", "ambiguous", "the record has both 'conversations' (ShareGPT) and 'messages' (OpenAI), and they differ; keep one"),
+        (f"{p}:3", "ambiguous", "turn 0 has both 'content' (OpenAI) and 'value' (ShareGPT), and they differ; keep one"),
+        (f"{p}:4", "ambiguous", "turn 0 has both 'role' (OpenAI) and 'from' (ShareGPT), and they differ; keep one"),
+    ]

@@ -410,7 +410,7 @@ def canonical_messages(raw: object, turns: str = "first", dropped: Counter | Non
 
     Accepted forms: ``{"conversations": [{"from", "value"}...]}`` (ShareGPT),
     ``{"messages": [{"role", "content"}...]}`` (OpenAI), or a bare list of either
-    kind of turn.
+    kind of turn. A record or turn may carry both forms where they say the same.
 
     Args:
         raw: the source record.
@@ -426,11 +426,23 @@ def canonical_messages(raw: object, turns: str = "first", dropped: Counter | Non
 
     Raises:
         ValueError: with a short reason code as the message (``unknown_role``,
-            ``empty_content``, ``no_user_turn``, ``bad_format``, ``bad_encoding``); the caller
-            records it.
+            ``empty_content``, ``no_user_turn``, ``bad_format``, ``bad_encoding``, ``ambiguous``:
+            both forms given, saying different things); the caller records it.
     """
     if isinstance(raw, RecordError):
         raise ValueError(f"{raw.reason}: {raw}")
+    if isinstance(raw, dict) and "conversations" in raw and "messages" in raw:  # one prompt, or two?
+        try:
+            other = canonical_messages({"messages": raw["messages"]}, turns)
+        except ValueError:
+            other = None
+        own = Counter()
+        out = canonical_messages({"conversations": raw["conversations"]}, turns, own)
+        if out != other:
+            raise ValueError("ambiguous: the record has both 'conversations' (ShareGPT) and 'messages' (OpenAI), and they differ; keep one")
+        if dropped is not None:
+            dropped.update(own)
+        return out
     turns_raw = raw
     if isinstance(raw, dict):
         if "conversations" in raw:
@@ -450,6 +462,10 @@ def canonical_messages(raw: object, turns: str = "first", dropped: Counter | Non
             raise ValueError(f"bad_format: {what} whose item {i} is a {_json_type(t)}, not a turn object; {expected}")
         role = t.get("role", t.get("from"))
         content = t.get("content", t.get("value"))
+        same = {"role": lambda r: ROLE_ALIASES.get(str(r).lower(), r), "content": lambda c: c}
+        for a, b in (("role", "from"), ("content", "value")):
+            if a in t and b in t and same[a](t[a]) != same[a](t[b]):
+                raise ValueError(f"ambiguous: turn {i} has both {a!r} (OpenAI) and {b!r} (ShareGPT), and they differ; keep one")
         canon = ROLE_ALIASES.get(str(role).lower()) if role is not None else None
         if canon is None:
             raise ValueError(f"unknown_role: turn {i} has role {role!r}; known roles ('role' or 'from'): {', '.join(sorted(ROLE_ALIASES))}")
