@@ -306,11 +306,16 @@ def test_invalid_utf8_line_is_one_counted_reject(tmp_path):
     assert [(r.source, r.reason) for r in ps.rejects] == [(f"{p}:1", "bad_encoding")]
 
 
-def test_invalid_utf8_json_array_names_the_line(tmp_path):
+def test_invalid_utf8_in_a_json_array_is_one_counted_reject_naming_its_line(tmp_path):
+    """A byte that is not UTF-8 refused the whole array file; now it costs its element, as a JSONL
+    line with one does: a bad_encoding reject with the line and the byte, the rest read."""
     p = tmp_path / "u.json"
-    p.write_bytes(b'[\n{"messages": [{"role": "user", "content": "caf\xe9"}]}]')
-    with pytest.raises(InputError, match=f"{p}:2: invalid UTF-8 at byte"):
-        build_prompt_set([{"type": "file", "path": str(p)}])
+    p.write_bytes(b'[\n{"messages": [{"role": "user", "content": "caf\xe9"}]},\n{"messages": [{"role": "user", "content": "ok"}]}]')
+    ps = build_prompt_set([{"type": "file", "path": str(p)}])
+    assert [r["messages"][0]["content"] for r in ps.records] == ["ok"]
+    assert [(r.source, r.reason, r.detail) for r in ps.rejects] == [
+        (f"{p}[0]", "bad_encoding", "element 0 holds a byte that is not UTF-8 (0xe9, line 2); re-encode the file as UTF-8")
+    ]
 
 
 def test_bom_and_crlf_are_accepted(tmp_path):

@@ -16,6 +16,7 @@ is dropped silently.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import re
@@ -116,16 +117,15 @@ def iter_json_array(path: str | Path) -> Iterator[tuple[int, object]]:
     every complete element, then one RecordError for the broken tail. Callers count the errors
     as rejects.
 
+    A well-formed element holding a byte that is not UTF-8 is a ``bad_encoding`` RecordError
+    (its line and the byte), as a JSONL line with one is.
+
     Raises:
-        InputError: the file is not UTF-8 (names the byte offset and line) or does not
-            start with ``[``.
+        InputError: the file does not start with ``[``.
     """
-    raw = Path(path).read_bytes()
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise InputError(f"{path}:{line}: invalid UTF-8 at byte {e.start}; re-encode the file as UTF-8") from e
+    # a byte that is not UTF-8 becomes a lone surrogate (U+DC80..U+DCFF) and costs its element alone
+    text = Path(path).read_bytes().decode("utf-8-sig", errors="surrogateescape")
+    not_utf8 = [m.start() for m in _NOT_UTF8.finditer(text)]  # nearly always none
     dec = json.JSONDecoder()
     n = len(text)
     ws = _WS_COMMAS
@@ -159,6 +159,13 @@ def iter_json_array(path: str | Path) -> Iterator[tuple[int, object]]:
                 if end is not None and j > end:  # it took the array's own "]": a bracket too many inside it
                     error = (end, "the element runs past the end of the array")
                 elif k >= n or text[k] in ",]":
+                    if not_utf8 and (b := bisect.bisect_left(not_utf8, i)) < len(not_utf8) and not_utf8[b] < j:
+                        where = text.count("\n", 0, not_utf8[b]) + 1
+                        byte = ord(text[not_utf8[b]]) - 0xDC00
+                        obj = RecordError(
+                            "bad_encoding",
+                            f"element {index} holds a byte that is not UTF-8 (0x{byte:02x}, line {where}); re-encode the file as UTF-8",
+                        )
                     yield index, obj
                     index += 1
                     i = j
@@ -183,6 +190,8 @@ def iter_json_array(path: str | Path) -> Iterator[tuple[int, object]]:
 #: of its line, or a bracket or comma: what :func:`_element_end` steps through.
 _JSON_TOKEN = re.compile(r'"(?:[^"\\\n]|\\.)*"|"[^\n]*|[][{},]')
 _WS = re.compile(r"\s*")
+#: What a byte that is not UTF-8 decodes to under ``errors="surrogateescape"``.
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")
 _WS_COMMAS = re.compile(r"[\s,]*")  # between elements: commas left over from damage are skipped too
 _OPENER = re.compile(r"[\[{]")
 #: What :func:`_element_end` returns for an element the file ends inside.
