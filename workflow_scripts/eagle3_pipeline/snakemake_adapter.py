@@ -436,8 +436,10 @@ def eval_prompts_problem(jobs: list[dict], config: dict) -> str | None:
     not wait for them, and a run would fail only after its jobs running then had finished."""
     from .prompts import load_eval_questions
 
-    readers = {"prepare_eval_prompts", *(["prepare_prompts"] if config["prompts"]["decontaminate"] else [])}
-    if not any(j["rule"] in readers for j in jobs):
+    def reads(rule: str) -> bool:
+        return rule == "prepare_eval_prompts" or (rule == "prepare_prompts" and config["prompts"]["decontaminate"])
+
+    if not any(reads(j["rule"]) for j in jobs):
         return None
     try:
         load_eval_questions(config["evaluation"]["prompts"])
