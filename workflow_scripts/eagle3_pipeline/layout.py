@@ -113,6 +113,11 @@ class RunLayout:
             lay.bench_dir = Path(bench_dir).as_posix()
         return lay
 
+    def of_job(self, wildcards: dict) -> RunLayout:
+        """The layout a job with ``wildcards`` writes into: its sweep variant's (:meth:`variant`) where
+        they name one (``{"variant": v}``), else this run's."""
+        return self.variant(wildcards["variant"]) if wildcards.get("variant") else self
+
     def variant(self, name: str) -> RunLayout:
         """The layout of sweep variant ``name`` (or the ``"{variant}"`` wildcard): the same files under
         ``results/<run>/sweep/<name>/``, logs under ``logs/<run>/sweep/<name>/``, benchmarks under

@@ -52,7 +52,7 @@ def stage_file(lay: RunLayout, stage: str, wildcards: dict) -> str:
     Raises:
         KeyError: a per-shard stage's ``wildcards`` lack ``shard``.
     """
-    lay = lay.variant(wildcards["variant"]) if wildcards.get("variant") else lay
+    lay = lay.of_job(wildcards)
     record = STAGES[stage][0]
     return record(lay, wildcards["shard"]) if stage in PER_SHARD else record(lay)
 
@@ -60,7 +60,7 @@ def stage_file(lay: RunLayout, stage: str, wildcards: dict) -> str:
 def stage_benchmark(lay: RunLayout, stage: str, wildcards: dict) -> str:
     """Snakemake's benchmark file of one job of ``stage`` (the rule's ``benchmark:``), a variant's
     under its layout as in :func:`stage_file`."""
-    lay = lay.variant(wildcards["variant"]) if wildcards.get("variant") else lay
+    lay = lay.of_job(wildcards)
     return lay.benchmark(stage, wildcards["shard"]) if stage in PER_SHARD else lay.benchmark(stage)
 
 
@@ -799,7 +799,7 @@ def training_checkpoint_step(run_dir: str | Path, wildcards: dict) -> tuple[int,
     from .resume import checkpoint_progress
 
     lay = RunLayout.at(run_dir)
-    lay = lay.variant(wildcards["variant"]) if wildcards.get("variant") else lay
+    lay = lay.of_job(wildcards)
     return checkpoint_progress(lay.train_checkpoint())
 
 

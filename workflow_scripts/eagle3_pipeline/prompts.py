@@ -229,12 +229,10 @@ def _resume_after(
             break
         j = m.start()
         candidates.append(j)
-    placed = [j for j in candidates if _placed_as_element(text, j, layout)]
-    for group in (placed, candidates):
-        for j in group:
-            verdict, failed_at = _reads_on(text, dec, j, end, first_must_decode=True)
-            if verdict == "yes" or (verdict == "partly" and failed_at > error):
-                return j
+    for j in sorted(candidates, key=lambda j: not _placed_as_element(text, j, layout)):  # placed first, each in order
+        verdict, failed_at = _reads_on(text, dec, j, end, first_must_decode=True)
+        if verdict == "yes" or (verdict == "partly" and failed_at > error):
+            return j
     return None
 
 
@@ -471,9 +469,8 @@ def canonical_messages(raw: object, turns: str = "first", dropped: Counter | Non
             raise ValueError(f"bad_format: {what} whose item {i} is a {_json_type(t)}, not a turn object; {expected}")
         role = t.get("role", t.get("from"))
         content = t.get("content", t.get("value"))
-        same = {"role": lambda r: ROLE_ALIASES.get(str(r).lower(), r), "content": lambda c: c}
-        for a, b in (("role", "from"), ("content", "value")):
-            if a in t and b in t and same[a](t[a]) != same[a](t[b]):
+        for a, b, same in (("role", "from", lambda r: ROLE_ALIASES.get(str(r).lower(), r)), ("content", "value", lambda c: c)):
+            if a in t and b in t and same(t[a]) != same(t[b]):
                 raise ValueError(f"ambiguous: turn {i} has both {a!r} (OpenAI) and {b!r} (ShareGPT), and they differ; keep one")
         canon = ROLE_ALIASES.get(str(role).lower()) if role is not None else None
         if canon is None:

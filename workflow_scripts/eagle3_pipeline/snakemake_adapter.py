@@ -179,7 +179,7 @@ def keep_incomplete_finished_shards(workflow, jobs: list[dict], layout: RunLayou
         "generate_traces": (lambda job: str(traces_summary_path(job["output"][0])), shard_bytes(SUMMARY_HASH_KEYS)),
         "extract_hidden_states": (lambda job: str(shard_index_path(job["output"][0])), shard_bytes(INDEX_HASH_KEYS)),
         "train_drafter": (
-            lambda job: layout.variant(v).train_summary() if (v := job.get("wildcards", {}).get("variant")) else layout.train_summary(),
+            lambda job: layout.of_job(job.get("wildcards", {})).train_summary(),
             lambda main, _record: functools.partial(check_recorded_files, main, exhaustive=True),
         ),
     }
