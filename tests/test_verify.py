@@ -517,5 +517,104 @@ def test_a_prompt_removed_from_or_repeated_in_a_shard_is_refused_at_the_start(tm
         (problem,) = recorded_input_problems(map(str, shards), map(str, shards))
         assert problem.startswith(f"{shards[1]}: {n} records, but prepare_prompts wrote 3 ({lay.prompt_summary()})")
         assert f"--forcerun {shards[1]}" in problem and edited_prompts(shards[0]) is None
+    shards[1].write_text("".join(lines[2:3] + lines[3:4] + lines[3:4]))  # one removed, another repeated in its place
+    (problem,) = recorded_input_problems(map(str, shards), map(str, shards))
+    assert problem.startswith(f"{shards[1]}:3: prompt {records[3]['id']!r} repeats line 2 (1 such record(s))"), problem
     Path(lay.prompt_summary()).unlink()
-    assert edited_prompts(shards[1]) is None  # a shard from elsewhere: its ids alone
+    assert edited_prompts(shards[1]) == problem  # a shard from elsewhere: its ids alone, each once
+    shards[1].write_text("".join(lines[2:4]))
+    assert edited_prompts(shards[1]) is None
+
+
+def test_a_file_modified_after_the_job_that_wrote_it_is_named_with_both_times(tmp_path):
+    """Snakemake records each output's modification time when its job ends (its metadata's
+    ``endtime``); a file without a record of its bytes whose time has moved since, an evaluation
+    question edited or a prompt record replaced by another whose id is its hash, is named. A file
+    Snakemake did not make, a folder, and a file a record of bytes covers are left to their checks."""
+    import os
+
+    from eagle3_pipeline.io import record_files
+    from eagle3_pipeline.prompts import build_prompt_set
+    from eagle3_pipeline.verify import modified_after_written, recorded_input_problems
+
+    questions = tmp_path / "eval" / "prompts.jsonl"
+    questions.parent.mkdir()
+    questions.write_text('{"id": "q1", "turns": ["Name a prime."]}\n')
+    end = questions.stat().st_mtime
+    made = {str(questions): ("prepare_eval_prompts", end)}
+    assert modified_after_written(questions, made[str(questions)]) is None
+    questions.write_text('{"id": "q1", "turns": ["Ignore that. Say hello."]}\n')
+    os.utime(questions, (end + 90, end + 90))
+    problem = modified_after_written(questions, made[str(questions)])
+    assert problem.startswith(f"{questions}: modified at ") and "after the job that wrote it (prepare_eval_prompts) ended at" in problem
+    assert f"`snakemake --forcerun {questions}`" in problem and f"`snakemake --cleanup-metadata {questions}`" in problem
+    assert modified_after_written(questions, None) is None  # not made here: used as given
+    assert modified_after_written(questions, ("prepare_eval_prompts", None)) is None  # no time recorded
+    assert modified_after_written(tmp_path / "eval", ("x", end)) is None  # a folder: its files move its time
+    assert recorded_input_problems([str(questions)], written_at=made.get) == [problem]
+    assert recorded_input_problems([str(questions)]) == []  # no metadata asked: not checked
+
+    # a prompt record replaced by another whose id is its messages' hash: only the time shows it
+    records = build_prompt_set([{"type": "builtin_sharegpt"}], turns="first", max_prompts=3).records
+    shard = tmp_path / "prompts" / "shard-00000.jsonl"
+    shard.parent.mkdir()
+    shard.write_text("".join(json.dumps(r) + "\n" for r in records))
+    made[str(shard)] = ("prepare_prompts", shard.stat().st_mtime)
+    assert recorded_input_problems([str(shard)], [str(shard)], made.get) == []
+    other = build_prompt_set([{"type": "builtin_sharegpt"}], turns="first", max_prompts=4).records[3]
+    shard.write_text("".join(json.dumps(r) + "\n" for r in [*records[:2], other]))
+    (problem,) = recorded_input_problems([str(shard)], [str(shard)], made.get)
+    assert problem.startswith(f"{shard}: modified at ") and "(prepare_prompts)" in problem
+
+    # a vocabulary file touched with its bytes unchanged: its record of bytes decides, not its time;
+    # a file beside it that the record does not list is checked by its time
+    vocab = tmp_path / "vocab"
+    vocab.mkdir()
+    np.save(vocab / "d2t.npy", np.arange(3))
+    (vocab / "coverage.json").write_text("{}")
+    record_files(vocab, ["d2t.npy"])
+    d2t, coverage = vocab / "d2t.npy", vocab / "coverage.json"
+    made |= {str(d2t): ("build_vocab_mapping", d2t.stat().st_mtime), str(coverage): ("build_vocab_mapping", coverage.stat().st_mtime)}
+    os.utime(d2t, (end + 90, end + 90))
+    os.utime(coverage, (end + 90, end + 90))
+    (problem,) = recorded_input_problems([str(d2t), str(coverage)], written_at=made.get)
+    assert problem.startswith(f"{coverage}: modified at ")  # d2t: its bytes are the recorded ones
+
+
+@pytest.mark.e2e
+def test_a_run_refuses_questions_and_prompts_edited_after_their_jobs_ended(e2e_run, tmp_path):
+    """A finished run's evaluation question edited, and a prompt record replaced by another whose
+    id is its messages' hash: no record of bytes covers either, and Snakemake would rerun
+    generation and the evaluation on them ("Updated input files") and rewrite the manifest over the
+    evidence. The run stops at its start instead, naming both from Snakemake's own record of when
+    their jobs ended, with every output still there."""
+    import shutil
+
+    from eagle3_pipeline.prompts import prompt_id
+
+    src, _, _ = e2e_run
+    wd = tmp_path / "wd"
+    shutil.copytree(src, wd, symlinks=True)
+    res = wd / "results" / "e2e"
+    questions = res / "eval" / "prompts.jsonl"
+    questions.write_text(questions.read_text().replace('"turns": ["', '"turns": ["Ignore that. Say hello 100 times. ', 1))
+    shard = res / "prompts" / "shard-00001.jsonl"
+    lines = shard.read_text().splitlines(keepends=True)
+    messages = [{"role": "user", "content": "Tell me a joke about pirates."}]
+    lines[2] = json.dumps(json.loads(lines[2]) | {"id": prompt_id(messages), "messages": messages}) + "\n"
+    shard.write_text("".join(lines))
+    kept = {
+        p: p.stat().st_mtime_ns for p in (res / "traces" / "shard-00001.jsonl", res / "eval" / "acceptance.json", res / "manifest.json")
+    }
+    r = snakemake_cli(wd, wd / "small.yaml", "--cores", "2", "--resources", "mem_gb=100", cwd=wd)
+    assert r.returncode != 0
+    assert "2 input file(s) of pending jobs differ from what their producers recorded; nothing was run or deleted" in r.stderr, r.stderr[
+        -3000:
+    ]
+    for path, rule in (
+        ("results/e2e/eval/prompts.jsonl", "prepare_eval_prompts"),
+        ("results/e2e/prompts/shard-00001.jsonl", "prepare_prompts"),
+    ):
+        assert f"{path}: modified at " in r.stderr and f"after the job that wrote it ({rule}) ended at" in r.stderr
+        assert f"`snakemake --cleanup-metadata {path}`" in r.stderr
+    assert {p: p.stat().st_mtime_ns for p in kept} == kept

@@ -132,24 +132,29 @@ def incomplete_outputs(workflow) -> set[str]:
     return {keys[k] for k in workflow.persistence._filter_incomplete_keys(keys)}
 
 
-def made_by_snakemake(workflow) -> Callable[[str], bool]:
-    """Whether Snakemake made an input of the jobs it will run: it keeps metadata of each output
-    it made (its ``.snakemake/metadata``), until ``snakemake --cleanup-metadata <path>`` removes it.
+def snakemake_makers(workflow) -> Callable[[str], tuple[str, float | None] | None]:
+    """Which job Snakemake recorded as the maker of an input of the jobs it will run: ``path ->
+    (rule, endtime)``, ``endtime`` the file's modification time (seconds since the epoch) Snakemake
+    recorded when that job ended, None for a path it made no record of (brought from elsewhere, or
+    its metadata removed with ``snakemake --cleanup-metadata <path>``). It keeps such metadata of
+    each output it made, in ``.snakemake/``.
 
     Snakemake internals (snakemake 9.27.1): ``Workflow.dag.needrun_jobs``, ``Job.input`` and
-    ``Workflow.persistence.metadata``; ``tests/test_verify.py`` removes a finished run's drafter
-    record and checks that the run refuses, and runs once Snakemake's metadata of it is removed.
-    The DAG is walked at the first call only.
+    ``Workflow.persistence.metadata`` (its ``rule`` and ``endtime``); ``tests/test_verify.py``
+    removes a finished run's drafter record and checks that the run refuses, and runs once
+    Snakemake's metadata of it is removed, and edits a finished run's evaluation questions and
+    checks that the run refuses. The DAG is walked at the first call only.
     """
     files: dict | None = None
 
-    def made(path: str) -> bool:
+    def maker(path: str) -> tuple[str, float | None] | None:
         nonlocal files
         if files is None:
             files = {str(f): f for j in workflow.dag.needrun_jobs(exclude_finished=False) for f in j.input}
-        return path in files and workflow.persistence.metadata(files[path]) is not None
+        record = workflow.persistence.metadata(files[path]) if path in files else None
+        return None if record is None else (record.rule, record.endtime)
 
-    return made
+    return maker
 
 
 def keep_incomplete_finished_shards(workflow, jobs: list[dict], layout: RunLayout) -> list[str]:
@@ -268,7 +273,11 @@ def _files_record(path: str) -> Path:
     return (p if p.is_dir() else p.parent) / FILES_RECORD
 
 
-def check_pending_inputs(jobs: list[dict], made_here: Callable[[str], bool] | None = None) -> None:
+def check_pending_inputs(
+    jobs: list[dict],
+    made_here: Callable[[str], bool] | None = None,
+    written_at: Callable[[str], tuple[str, float | None] | None] | None = None,
+) -> None:
     """The ``onstart`` hook's first step (:func:`on_start`; ``jobs`` as :func:`needrun_jobs` lists
     them): refuse the run before any job starts (and before Snakemake
     deletes the outputs of the jobs it reruns) when a file a pending job reads, and no pending job
@@ -284,9 +293,16 @@ def check_pending_inputs(jobs: list[dict], made_here: Callable[[str], bool] | No
     removed with ``snakemake --cleanup-metadata``) is named on the console and used as it is; the
     run's manifest records its bytes.
 
+    A file no record of bytes covers (a prompt shard, the evaluation questions) that was modified
+    after the job that wrote it ended is refused too (``written_at``,
+    :func:`eagle3_pipeline.verify.modified_after_written`): Snakemake would rerun the stages that
+    read it on bytes their producer did not write, and rewrite the run's manifest over the evidence.
+
     Args:
         made_here: whether Snakemake made a path (``Persistence.metadata``); None: no path is
             taken as made here.
+        written_at: ``path -> (rule, endtime)`` of the job Snakemake recorded as its maker, or None
+            (:func:`snakemake_makers`); None: no such check.
 
     Raises:
         snakemake.exceptions.WorkflowError: naming every such file or folder and what to do.
@@ -298,7 +314,7 @@ def check_pending_inputs(jobs: list[dict], made_here: Callable[[str], bool] | No
     remade = {o for j in jobs for o in j["output"]}
     inputs = sorted({f for j in jobs for f in j["input"] if not any(str(q) in remade for q in (Path(f), *Path(f).parents))})
     prompt_shards = [f for j in jobs if j.get("stage") == "generate_traces" for f in j.get("named_input", {}).get("prompts", [])]
-    problems = recorded_input_problems(inputs, prompt_shards)
+    problems = recorded_input_problems(inputs, prompt_shards, written_at)
     if problems:
         raise WorkflowError(
             f"{len(problems)} input file(s) of pending jobs differ from what their producers recorded; nothing was "
@@ -528,7 +544,8 @@ def on_start(workflow, config: dict, layout: RunLayout, target_dir: str | None) 
         AttributeError: Snakemake's internals changed (:func:`needrun_jobs`).
     """
     jobs = needrun_jobs(workflow)
-    check_pending_inputs(jobs, made_by_snakemake(workflow))
+    makers = snakemake_makers(workflow)
+    check_pending_inputs(jobs, lambda path: makers(path) is not None, makers)
     check_at_start(jobs, config, target_dir)
     keep_incomplete_finished_shards(workflow, jobs, layout)
     print_start_plan(jobs, config, layout, target_dir)

@@ -15,7 +15,7 @@ named. Each file is read once even when both checks cover it.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from .generation import traces_summary_path
@@ -75,7 +75,54 @@ def _check_hidden_shard(path: Path, hasher: Hasher) -> list[str]:
     return problems
 
 
-def recorded_input_problems(paths: Iterable[str | os.PathLike], prompt_shards: Iterable[str | os.PathLike] = ()) -> list[str]:
+#: How far a file's modification time may be from the one Snakemake recorded when the job that
+#: wrote it ended (seconds): the two are one ``stat`` of the same file, so equal where it is unchanged.
+MTIME_TOLERANCE_S = 1e-3
+
+
+def modified_after_written(path: str | os.PathLike, written: tuple[str, float] | None) -> str | None:
+    """What shows that a file no record of bytes covers was changed after the job that wrote it
+    ended, or None: Snakemake records, when a job ends, each output's modification time
+    (``endtime`` in its metadata, after its own touch of the outputs; ``snakemake --touch`` records
+    anew), so a file modified since (edited, replaced, appended to, touched by hand) no longer has
+    it. Snakemake would rerun the stages that read it ("Updated input files") on bytes their
+    producer did not write; this names it instead.
+
+    Args:
+        path: a regular file (a folder is left alone: files inside move its time).
+        written: ``(rule, endtime)`` of the job Snakemake recorded as its maker, endtime in seconds
+            since the epoch; None when Snakemake did not make it (brought from elsewhere, or its
+            metadata removed with ``snakemake --cleanup-metadata``): not checked.
+
+    Returns:
+        one line naming the file, both times (UTC), the rule and what to do; None when unchanged.
+    """
+    from datetime import UTC, datetime
+
+    p = Path(path)
+    if written is None or written[1] is None or not p.is_file():
+        return None
+    rule, end = written
+    mtime = p.stat().st_mtime
+    if abs(mtime - end) <= MTIME_TOLERANCE_S:
+        return None
+
+    def utc(t: float) -> str:
+        return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+    return (
+        f"{p}: modified at {utc(mtime)}, after the job that wrote it ({rule}) ended at {utc(end)}, and no record of its "
+        f"bytes covers it, so the stage would read what its producer may not have written. If the change is not yours, "
+        f"{remake_hint(p)}; if it is, `snakemake --cleanup-metadata {p}` makes Snakemake forget that it made the file, "
+        "and the run uses it as it is (the run's manifest records its bytes)"
+    )
+
+
+def recorded_input_problems(
+    paths: Iterable[str | os.PathLike],
+    prompt_shards: Iterable[str | os.PathLike] = (),
+    written_at: Callable[[str], tuple[str, float] | None] | None = None,
+) -> list[str]:
     """What is wrong with files stages are about to read, each checked against its producer's
     record as the stage that reads it checks it, so a run can refuse at its start, before
     Snakemake deletes the outputs of the jobs it reruns.
@@ -87,7 +134,14 @@ def recorded_input_problems(paths: Iterable[str | os.PathLike], prompt_shards: I
     hashed is not read again. Files without a record, and missing files, are left to their stage.
     The prompt shards among ``paths`` (``prompt_shards``: generate_traces' ``prompts`` inputs)
     are checked as generation checks them: each record's id is its messages' hash
-    (:func:`eagle3_pipeline.prompts.edited_prompts`).
+    (:func:`eagle3_pipeline.prompts.edited_prompts`). A file no record of bytes covers (the prompt
+    shards too, the evaluation questions, JSON records the summary reads) is checked against
+    the time Snakemake recorded when its job ended (``written_at``, :func:`modified_after_written`).
+
+    Args:
+        written_at: ``path -> (rule, endtime)`` of the job Snakemake recorded as the file's maker,
+            None where it made none (:func:`eagle3_pipeline.snakemake_adapter.snakemake_makers`);
+            None: that check is not made.
 
     Returns:
         one line per problem (the stage's own error message, naming the file, both hashes and what
@@ -99,24 +153,32 @@ def recorded_input_problems(paths: Iterable[str | os.PathLike], prompt_shards: I
     from .prompts import edited_prompts
     from .shards import recorded_shard_sha256
 
-    problems, dirs, prompts = [], set(), {Path(p) for p in prompt_shards}
+    problems, records, prompts = [], {}, {Path(p) for p in prompt_shards}
     for p in map(Path, paths):
+        covered = False  # by a record of its bytes
         try:
             if p in prompts:
                 if p.is_file() and (edited := edited_prompts(p)) is not None:
                     problems.append(edited)
+                    continue
             elif p.is_dir() or (p.is_file() and (p.parent / FILES_RECORD).is_file()):
                 d = p if p.is_dir() else p.parent
-                if d not in dirs and (d / FILES_RECORD).is_file():
-                    dirs.add(d)
+                if d not in records and (d / FILES_RECORD).is_file():
+                    records[d] = {}  # checked once, its problem named once
                     # the drafter, whose every file vLLM may load (exhaustive, as evaluation checks it); the vocabulary's files each
-                    check_recorded_files(d, exhaustive=p.is_dir(), directory_output=p.is_dir())
+                    records[d] = check_recorded_files(d, exhaustive=p.is_dir(), directory_output=p.is_dir()) or {}
+                covered = p.is_dir() or p.name in records.get(d, {})
             elif p.is_file() and p.suffix == ".jsonl" and summary_beside(p).is_file():
                 recorded_traces_sha256(p)
+                covered = True
             elif p.is_file() and p.suffix == ".safetensors" and index_beside(p).is_file():
                 recorded_shard_sha256(p)
+                covered = True
         except InputError as e:
             problems.append(str(e))
+            continue
+        if not covered and written_at is not None and (changed := modified_after_written(p, written_at(str(p)))) is not None:
+            problems.append(changed)
     return problems
 
 
