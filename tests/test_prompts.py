@@ -135,6 +135,23 @@ def test_truncated_json_array_recovers_complete_records(tmp_path):
     assert got[0] == (0, {"id": 1}) and len(got) == 2 and "truncated at the end of the file" in str(got[1][1])
 
 
+@pytest.mark.parametrize("tail", ["", ",", ",\n", "\n"])
+def test_an_array_without_its_closing_bracket_is_one_counted_reject_after_its_records(tmp_path, tail):
+    """A file that ends after a whole element without the array's "]" (a copy cut off between two
+    records, or the "]" left out) cannot be told from a whole file by its records: every record is
+    kept and one reject says the array is not closed, after which element, on which line."""
+    records = [{"messages": _turns(f"q{k}")} for k in range(3)]
+    p = tmp_path / "cut.json"
+    p.write_text("[\n " + ",\n ".join(json.dumps(r) for r in records) + tail)
+    ps = build_prompt_set([{"type": "file", "path": str(p)}])
+    assert sorted(r["messages"][0]["content"] for r in ps.records) == ["q0", "q1", "q2"]
+    (rej,) = ps.rejects
+    assert (rej.source, rej.reason) == (f"{p}[3]", "bad_json")
+    assert rej.detail.startswith("the array is not closed: the file ends after element 2 (line 4) without its ']'")
+    p.write_text("[" + json.dumps(records[0]) + "]")  # closed: no reject
+    assert build_prompt_set([{"type": "file", "path": str(p)}]).rejects == []
+
+
 def test_bad_element_in_the_middle_of_an_array_loses_only_that_element(tmp_path):
     p = tmp_path / "a.json"
     p.write_text(

