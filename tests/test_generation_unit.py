@@ -256,11 +256,11 @@ class _SamplingEngine:
         return out
 
 
-def _sampled(tokenizer, answers: int, dup_every: int = 1000):
+def _sampled(tokenizer, answers: int, dup_every: int = 1000, max_tokens: int = 8):
     from eagle3_pipeline.config import validate_config
     from eagle3_pipeline.generation import generate_chunks
 
-    gen = validate_config({"generation": {"temperature": 0.8, "answers_per_prompt": answers, "max_tokens": 8}})["generation"]
+    gen = validate_config({"generation": {"temperature": 0.8, "answers_per_prompt": answers, "max_tokens": max_tokens}})["generation"]
     records = [{"id": f"{i:016x}", "source": "t", "messages": [{"role": "user", "content": f"question {i}"}]} for i in (3, 5)]
     eng = _SamplingEngine(dup_every)
     got = {}
@@ -269,6 +269,17 @@ def _sampled(tokenizer, answers: int, dup_every: int = 1000):
         max_seq_len=256, seed=11, engine={}, model={}, on_chunk=lambda i, res: got.setdefault(i, res),
     )  # fmt: skip
     return got[0], eng
+
+
+def test_a_max_tokens_past_the_context_asks_each_request_for_the_room_its_prompt_leaves(tokenizer):
+    """generation.max_tokens: 10^12 (no upper bound in the schema) generates as max_tokens: "the
+    rest of the context" would: each request asks for max_seq_len (256) minus its prompt, and the
+    progress bar's expected answer length is bounded by max_seq_len (it allocated 10^12 slots)."""
+    res, eng = _sampled(tokenizer, 1, max_tokens=10**12)
+    assert len(res.traces) == 2
+    for t in res.traces:
+        assert t["sampling"]["max_tokens"] == 256 - len(t["prompt_token_ids"]) > 0
+    assert sorted(p.max_tokens for p in eng.params.values()) == sorted(256 - len(t["prompt_token_ids"]) for t in res.traces)
 
 
 def test_each_sampled_answer_is_a_trace_of_its_own_with_a_stable_id(tokenizer):
@@ -866,6 +877,9 @@ def test_an_empty_evaluation_prompt_file_stops_the_run_at_its_start(tmp_path):
     assert why(["train_drafter"]) is None  # questions already prepared: not read again
     empty.write_text('{"turns": ["What is 2 + 2?"]}\n')
     assert why(["prepare_eval_prompts", "prepare_prompts"]) is None
+    # a byte that is not UTF-8 (a file saved in Latin-1): the file, line and byte, not a UnicodeDecodeError
+    empty.write_bytes(b'{"turns": ["What is 2 + 2?"]}\n{"turns": ["Caf\xe9 or tea?"]}\n')
+    assert why(["prepare_eval_prompts"]) == f"{empty}:2: invalid UTF-8 (byte 0xe9 at column 16); re-encode the file as UTF-8"
 
 
 def _engine(lengths, prompt_lens, slots, prog, clock, prefill_cost, decode_cost, budget=2048):

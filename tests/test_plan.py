@@ -96,6 +96,14 @@ def test_every_sharegpt_prompt_is_planned_by_the_turns_setting(tmp_path):
         assert ext.tokens == int(prompts * (prompt_tokens + COMPLETION_FILL * 100))
 
 
+def test_a_max_tokens_past_the_context_is_planned_as_the_room_the_prompts_leave(tmp_path):
+    """generation.max_tokens has no upper bound (a request asks for at most what its prompt leaves
+    within max_seq_len): a huge value plans answers that fill the context, not 10^12 tokens."""
+    cfg = validate_config({"prompts": {"max_prompts": 10}, "generation": {"max_tokens": 10**12}, "max_seq_len": 1024})
+    gen = _by_stage(make_plan(cfg, BUILTIN_SHAPE, tmp_path, "cpu"))["generate_traces"]
+    assert gen.tokens == int(10 * COMPLETION_FILL * (1024 - PROMPT_TOKENS_BY_TURNS["first"]))
+
+
 def test_fp8_storage_halves_the_planned_disk_plus_scales(tmp_path):
     cfg = validate_config({"prompts": {"max_prompts": 10}, "extraction": {"storage_dtype": "float8_e4m3fn"}})
     ext = _by_stage(make_plan(cfg, BUILTIN_SHAPE, tmp_path, "cpu"))["extract_hidden_states"]

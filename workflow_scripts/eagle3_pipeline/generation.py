@@ -380,7 +380,7 @@ class CompletionProgress:
     Args:
         prompts: prompts this bar counts to.
         answers_per_prompt: answers requested per prompt.
-        max_tokens: completion tokens an answer may have (``generation.max_tokens``).
+        max_tokens: completion tokens an answer may have (``generation.max_tokens``, at most ``max_seq_len``).
         read_counters: ``(prompt tokens prefilled, completion tokens generated)`` so far
             (:func:`engine_token_counters`), or None.
         clock: seconds (``time.monotonic``; a test passes its own).
@@ -589,7 +589,9 @@ def generate_chunks(
     eng = llm.llm_engine
     # chunk index -> [requests, finished outputs by position, rejects]
     open_chunks: dict[int, tuple[list, dict, list]] = {}
-    bar = CompletionProgress(len(records) if total is None else total, answers, gen_cfg["max_tokens"], engine_token_counters(llm))
+    # no request asks for more than its prompt leaves within max_seq_len (``_requests``), whatever max_tokens says
+    ceiling = min(gen_cfg["max_tokens"], max_seq_len)
+    bar = CompletionProgress(len(records) if total is None else total, answers, ceiling, engine_token_counters(llm))
 
     def finish(i: int) -> None:
         todo, outs, rejects = open_chunks.pop(i)

@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -121,19 +122,30 @@ def json_error_detail(e: json.JSONDecodeError) -> str:
     return f"invalid JSON: {where} column {e.colno}" + (" (the line ends inside the record: was it cut off?)" if cut else "")
 
 
+#: A byte that is not UTF-8, as ``errors="surrogateescape"`` decodes it (U+DC80..U+DCFF).
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")
+
+
 def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
     """Yield ``(line number, object)`` for each non-blank line of a JSONL file.
 
     A UTF-8 byte-order mark at the start is accepted.
 
     Raises:
-        InputError: a line is not valid JSON or not an object; the message gives
+        InputError: a line is not valid UTF-8, not valid JSON or not an object; the message gives
             ``path:line`` so the user can fix that line.
     """
-    with open(path, encoding="utf-8-sig") as f:
+    # bytes that are not UTF-8 decode to lone surrogates (which valid UTF-8 never yields), so the
+    # line that holds them can be named; a strict decode fails on a read-ahead buffer instead
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
+            if (bad := _NOT_UTF8.search(line)) is not None:
+                raise InputError(
+                    f"{path}:{lineno}: invalid UTF-8 (byte 0x{ord(bad.group()) - 0xDC00:02x} at column {bad.start() + 1}); "
+                    "re-encode the file as UTF-8"
+                )
             try:
                 obj = json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as e:

@@ -432,7 +432,9 @@ def make_plan(
         c_tok = sum(t["completion_tokens"] for t in traces) / max(ok, 1)
         n_ok, tok_src = ok, "this run's traces"
     else:
-        p_tok, c_tok = PROMPT_TOKENS_BY_TURNS[cfg["prompts"]["turns"]], COMPLETION_FILL * cfg["generation"]["max_tokens"]
+        p_tok = PROMPT_TOKENS_BY_TURNS[cfg["prompts"]["turns"]]
+        # a request's max_tokens is lowered to the room its prompt leaves (generation's _requests)
+        c_tok = COMPLETION_FILL * min(cfg["generation"]["max_tokens"], max(cfg["max_seq_len"] - p_tok, 1))
         answers = cfg["generation"]["answers_per_prompt"]
         n_ok, tok_src = (
             n_prompts * answers,
