@@ -215,6 +215,8 @@ def test_kept_work_names_finished_chunks_and_training_checkpoints(tmp_path):
     (ext.dir / "chunk-000000.done").write_text("{}")
     (ext.dir / "chunk-000000.done.spec.json").write_text("{}")
     (ext.dir / "chunk-000001.done.spec.json").write_text("{}")  # submitted, not done
+    started = ChunkStore(run / "hidden_states" / "shard-00001.safetensors", "fp", ".done")  # no chunk finished: not named
+    (started.dir / "chunk-000000.done.spec.json").write_text("{}")
     ckpt = run / "sweep" / "v1" / "train" / ".checkpoint"
     ckpt.mkdir(parents=True)
     (ckpt / "progress.json").write_text(json.dumps({"step": 61, "total_steps": 122, "epoch": 1, "tokens_seen": 5}))

@@ -315,8 +315,8 @@ def todo_chunks(store: ChunkStore, ranges: Sequence[tuple[int, int]]) -> list[in
 def kept_work(run_dir: str | os.PathLike) -> list[str]:
     """What an interrupted run under ``run_dir`` (``results/<run>``) keeps for its rerun, one line each.
 
-    Lists every chunk store (``.<output>.partial/``, :class:`ChunkStore`) with its finished
-    chunks, and every training checkpoint (``.checkpoint/progress.json``, written by
+    Lists every chunk store (``.<output>.partial/``, :class:`ChunkStore`) with finished chunks,
+    with their count, and every training checkpoint (``.checkpoint/progress.json``, written by
     :class:`eagle3_pipeline.training.TrainCheckpoint`) with its step. A store or checkpoint
     written under other inputs or settings is still listed: the rerun decides (and logs)
     whether it applies. Unreadable entries are named as such, never raised.
@@ -328,7 +328,8 @@ def kept_work(run_dir: str | os.PathLike) -> list[str]:
             continue
         final = d.parent / d.name[1 : -len(".partial")]
         n = sum(bool(re.fullmatch(r"chunk-\d{6}\.[a-z]+", p.name)) for p in d.iterdir())  # not specs, temp files
-        lines.append(f"{n} finished chunk(s) of {final}")
+        if n:  # a store whose first chunk had not finished keeps nothing a rerun uses
+            lines.append(f"{n} finished chunk(s) of {final}")
     for meta in sorted(root.rglob(f"{CHECKPOINT_DIR}/progress.json")):
         ck = checkpoint_progress(meta.parent)
         if ck is None:
