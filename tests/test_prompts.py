@@ -89,6 +89,16 @@ def test_build_prompt_set_with_each_turn_dedups_and_decontaminates_per_prompt(tm
     assert ps.summary()["read"] == 2 and len({r["id"] for r in ps.records}) == 2
 
 
+def test_openai_text_parts_are_joined_as_vllm_joins_them():
+    """OpenAI's content as a list of text parts reads as the parts joined by newlines, the string
+    vLLM renders for a template that takes string content: the same prompt, and the same id, as
+    the string itself."""
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Line one."}, {"type": "text", "text": "Two?"}]}]}
+    plain = {"messages": [{"role": "user", "content": "Line one.\nTwo?"}]}
+    assert canonical_messages(parts, "first") == canonical_messages(plain, "first") == plain["messages"]
+    assert canonical_messages({**parts, "conversations": [{"from": "human", "value": "Line one.\nTwo?"}]}, "first") == plain["messages"]
+
+
 def test_openai_with_system_prompt():
     raw = {"messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"}]}
     assert canonical_messages(raw, "first") == raw["messages"]
@@ -109,6 +119,13 @@ def test_leading_assistant_turn_is_dropped():
         ({"messages": [{"role": "user", "content": 3}]}, "bad_format: turn 0 content is a number, not a string"),
         ({"messages": [{"role": "user", "content": None}]}, "bad_format: turn 0 content is a null, not a string"),
         ({"messages": [{"role": "user", "text": "hi"}]}, "bad_format: turn 0 has no text: neither 'content' .*nor 'value'"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image_url"}]}]},
+            "bad_format: turn 0 content part 1 is a 'image_url' part; only text parts",
+        ),
+        ({"messages": [{"role": "user", "content": ["hi"]}]}, "bad_format: turn 0 content part 0 is a string, not a content part"),
+        # records nested one list too deep (a JSON array of records in a .jsonl file, or [[...records...]])
+        ([{"messages": [{"role": "user", "content": "hi"}]}], "bad_format: item 0 is a record \\(it has 'messages'\\), not a turn"),
     ],
 )
 def test_bad_records_give_reason(raw, reason):
@@ -504,7 +521,7 @@ def test_a_source_file_that_is_empty_or_missing_is_named_for_what_it_is(tmp_path
 
     p = tmp_path / "p.jsonl"
     p.write_text("\n  \n")
-    with pytest.raises(InputError, match=rf"the sources hold no records \({p}: empty or blank lines only\)"):
+    with pytest.raises(InputError, match=rf"the sources hold no records \({p}: empty, blank lines only, or an empty JSON array\)"):
         build_prompt_set([{"type": "file", "path": str(p)}])
     ok = [{"type": "file", "path": str(p)}]
     with pytest.raises(InputError, match=rf"^evaluation.prompts.path: {tmp_path / 'e.jsonl'} does not exist"):

@@ -422,12 +422,34 @@ def _json_type(x: object) -> str:
     return {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(type(x), "number")
 
 
+def text_of(content: object, turn: int) -> object:
+    """A turn's content as one string where it is OpenAI's list of text parts (``[{"type": "text",
+    "text": ...}, ...]``): the parts joined by newlines, as vLLM's chat rendering joins them for a
+    template that takes string content (``vllm/renderers/chat_utils.py``); any other content as
+    it is (the caller checks it is a string).
+
+    Raises:
+        ValueError: ``bad_format``: a part that is not text (an image, audio), or not a part.
+    """
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            what = f"a {kind!r} part" if kind else f"a {_json_type(part)}, not a content part"
+            raise ValueError(f"bad_format: turn {turn} content part {k} is {what}; only text parts ({{'type': 'text', 'text': ...}}) are read")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def canonical_messages(raw: object, turns: str = "first", dropped: Counter | None = None) -> list[dict]:
     """Convert a ShareGPT or OpenAI conversation to canonical messages.
 
     Accepted forms: ``{"conversations": [{"from", "value"}...]}`` (ShareGPT),
-    ``{"messages": [{"role", "content"}...]}`` (OpenAI), or a bare list of either
-    kind of turn. A record or turn may carry both forms where they say the same.
+    ``{"messages": [{"role", "content"}...]}`` (OpenAI; content a string or a list of text parts,
+    :func:`text_of`), or a bare list of either kind of turn. A record or turn may carry both
+    forms where they say the same.
 
     Args:
         raw: the source record.
@@ -477,9 +499,15 @@ def canonical_messages(raw: object, turns: str = "first", dropped: Counter | Non
         if not isinstance(t, dict):
             what = "the record is a JSON list" if turns_raw is raw else "the conversation is a list"
             raise ValueError(f"bad_format: {what} whose item {i} is a {_json_type(t)}, not a turn object; {expected}")
+        if "role" not in t and "from" not in t and ("messages" in t or "conversations" in t):
+            inner = "messages" if "messages" in t else "conversations"
+            raise ValueError(
+                f"bad_format: item {i} is a record (it has {inner!r}), not a turn: records are nested in a list; a JSON "
+                "array of records belongs in a .json file, a .jsonl file holds one record per line"
+            )
         role = t.get("role", t.get("from"))
-        content = t.get("content", t.get("value"))
-        for a, b, same in (("role", "from", lambda r: ROLE_ALIASES.get(str(r).lower(), r)), ("content", "value", lambda c: c)):
+        content = text_of(t.get("content", t.get("value")), i)
+        for a, b, same in (("role", "from", lambda r: ROLE_ALIASES.get(str(r).lower(), r)), ("content", "value", lambda c, i=i: text_of(c, i))):
             if a in t and b in t and same(t[a]) != same(t[b]):
                 raise ValueError(f"ambiguous: turn {i} has both {a!r} (OpenAI) and {b!r} (ShareGPT), and they differ; keep one")
         canon = ROLE_ALIASES.get(str(role).lower()) if role is not None else None
@@ -759,7 +787,8 @@ def build_prompt_set(
     if not kept and not ps.read:
         files = [s_["path"] for s_ in sources if s_["type"] == "file"]
         raise InputError(
-            f"no usable prompts: the sources hold no records ({', '.join(files) or 'no files'}: empty or blank lines only); "
+            f"no usable prompts: the sources hold no records ({', '.join(files) or 'no files'}: empty, blank lines only, or "
+            "an empty JSON array); "
             "fix the sources in prompts.sources"
         )
     if not kept:
