@@ -145,10 +145,13 @@ def iter_json_array(path: str | Path) -> Iterator[tuple[int, object]]:
         if i >= n and end is None:  # every element whole, and no "]" after them: a copy cut off between two?
             line += text.count("\n", counted, len(text.rstrip()))  # the line of its last element's end
             after = f"element {index - 1}" if index else "the array's '['"
-            yield index, RecordError(
-                "bad_json",
-                f"the array is not closed: the file ends after {after} (line {line}) without its ']'; if it was cut off, "
-                "the records after it are missing: check that the file is whole, then add the ']'",
+            yield (
+                index,
+                RecordError(
+                    "bad_json",
+                    f"the array is not closed: the file ends after {after} (line {line}) without its ']'; if it was cut off, "
+                    "the records after it are missing: check that the file is whole, then add the ']'",
+                ),
             )
             return
         if i >= n or i == end:
@@ -438,7 +441,9 @@ def text_of(content: object, turn: int) -> object:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind != "text" or not isinstance(part.get("text"), str):
             what = f"a {kind!r} part" if kind else f"a {_json_type(part)}, not a content part"
-            raise ValueError(f"bad_format: turn {turn} content part {k} is {what}; only text parts ({{'type': 'text', 'text': ...}}) are read")
+            raise ValueError(
+                f"bad_format: turn {turn} content part {k} is {what}; only text parts ({{'type': 'text', 'text': ...}}) are read"
+            )
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -507,7 +512,10 @@ def canonical_messages(raw: object, turns: str = "first", dropped: Counter | Non
             )
         role = t.get("role", t.get("from"))
         content = text_of(t.get("content", t.get("value")), i)
-        for a, b, same in (("role", "from", lambda r: ROLE_ALIASES.get(str(r).lower(), r)), ("content", "value", lambda c, i=i: text_of(c, i))):
+        for a, b, same in (
+            ("role", "from", lambda r: ROLE_ALIASES.get(str(r).lower(), r)),
+            ("content", "value", lambda c, i=i: text_of(c, i)),
+        ):
             if a in t and b in t and same(t[a]) != same(t[b]):
                 raise ValueError(f"ambiguous: turn {i} has both {a!r} (OpenAI) and {b!r} (ShareGPT), and they differ; keep one")
         canon = ROLE_ALIASES.get(str(role).lower()) if role is not None else None
