@@ -89,6 +89,20 @@ def test_build_prompt_set_with_each_turn_dedups_and_decontaminates_per_prompt(tm
     assert ps.summary()["read"] == 2 and len({r["id"] for r in ps.records}) == 2
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32"])
+@pytest.mark.parametrize("name", ["p.jsonl", "p.json"])
+def test_a_utf16_source_file_is_one_error_naming_its_encoding(tmp_path, encoding, name):
+    """A prompt file saved as UTF-16 (an editor's 'Unicode') made every line a reject, the first
+    'invalid UTF-8', the rest 'bad_json'; it is one error saying what to re-encode."""
+    p = tmp_path / name
+    text = json.dumps({"messages": _turns("hi")}) + "\n"
+    p.write_bytes((text if name.endswith(".jsonl") else f"[{text}]").encode(encoding))
+    with pytest.raises(InputError, match=rf"^prompt source file {re.escape(str(p))} is UTF-16 \(or UTF-32\), not UTF-8; re-encode it"):
+        build_prompt_set([{"type": "file", "path": str(p)}])
+    p.write_bytes(("\ufeff" + text).encode("utf-8") if name.endswith(".jsonl") else f"[{text}]".encode())  # UTF-8 (with a BOM): read
+    assert len(build_prompt_set([{"type": "file", "path": str(p)}]).records) == 1
+
+
 def test_openai_text_parts_are_joined_as_vllm_joins_them():
     """OpenAI's content as a list of text parts reads as the parts joined by newlines, the string
     vLLM renders for a template that takes string content: the same prompt, and the same id, as

@@ -367,6 +367,11 @@ def _load_source_records(source: dict) -> Iterator[tuple[str, object]]:
             raise InputError(
                 f"prompt source file {path} does not exist (relative paths are resolved against the working directory {Path.cwd()}); fix prompts.sources[].path"
             )
+        with open(path, "rb") as f:
+            head = f.read(4)
+        if head[:2] in (b"\xff\xfe", b"\xfe\xff") or (len(head) == 4 and (head[0] == 0) != (head[1] == 0)):
+            # a UTF-16 byte-order mark, or ASCII with a zero byte beside each: every line would be a reject
+            raise InputError(f"prompt source file {path} is UTF-16 (or UTF-32), not UTF-8; re-encode it as UTF-8 and run again")
         if path.suffix.lower() in JSONL_SUFFIXES:
             for lineno, obj in _iter_jsonl_records(path):
                 yield _with_own_id(f"{path}:{lineno}", obj), obj
