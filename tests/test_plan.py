@@ -698,6 +698,23 @@ def test_the_onstart_hook_keeps_and_prints_the_plan_of_the_pending_jobs(tmp_path
     assert capsys.readouterr().err.startswith("(no plan: KeyError:")
 
 
+def test_a_ctrl_c_during_the_start_checks_is_one_line(tmp_path):
+    """A Ctrl-C while the onstart hook runs (the target's libraries load there, for seconds) ends
+    the run with one line saying no job started, not the import's traceback."""
+    from types import SimpleNamespace
+
+    from snakemake.exceptions import WorkflowError
+
+    from eagle3_pipeline.snakemake_adapter import on_start
+
+    def interrupted(exclude_finished):
+        raise KeyboardInterrupt
+
+    wf = SimpleNamespace(dag=SimpleNamespace(needrun_jobs=interrupted))
+    with pytest.raises(WorkflowError, match=r"^interrupted \(Ctrl-C\) during the run's start checks; no job was started"):
+        on_start(wf, validate_config({"run": "r"}), RunLayout.at(tmp_path / "results" / "r"), None)
+
+
 def test_the_onerror_hook_says_what_a_rerun_resumes_from(tmp_path, capsys):
     from eagle3_pipeline.resume import ChunkStore
     from eagle3_pipeline.snakemake_adapter import print_resume_hint

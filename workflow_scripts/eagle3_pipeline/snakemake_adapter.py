@@ -540,15 +540,21 @@ def on_start(workflow, config: dict, layout: RunLayout, target_dir: str | None) 
 
     Raises:
         snakemake.exceptions.WorkflowError: an input of a pending job differs from its producer's
-            record, or the target cannot be served; nothing was run.
+            record, or the target cannot be served, or a Ctrl-C came during these checks; nothing
+            was run.
         AttributeError: Snakemake's internals changed (:func:`needrun_jobs`).
     """
-    jobs = needrun_jobs(workflow)
-    makers = snakemake_makers(workflow)
-    check_pending_inputs(jobs, lambda path: makers(path) is not None, makers)
-    check_at_start(jobs, config, target_dir)
-    keep_incomplete_finished_shards(workflow, jobs, layout)
-    print_start_plan(jobs, config, layout, target_dir)
+    from snakemake.exceptions import WorkflowError
+
+    try:
+        jobs = needrun_jobs(workflow)
+        makers = snakemake_makers(workflow)
+        check_pending_inputs(jobs, lambda path: makers(path) is not None, makers)
+        check_at_start(jobs, config, target_dir)
+        keep_incomplete_finished_shards(workflow, jobs, layout)
+        print_start_plan(jobs, config, layout, target_dir)
+    except KeyboardInterrupt:  # a Ctrl-C while the target's libraries load: one line, not their traceback
+        raise WorkflowError("interrupted (Ctrl-C) during the run's start checks; no job was started: rerun the command") from None
 
 
 def print_resume_hint(workflow, layout: RunLayout) -> None:
