@@ -113,6 +113,26 @@ def test_openai_text_parts_are_joined_as_vllm_joins_them():
     assert canonical_messages({**parts, "conversations": [{"from": "human", "value": "Line one.\nTwo?"}]}, "first") == plain["messages"]
 
 
+def test_openai_developer_turns_and_tool_calls_after_the_first_question():
+    """OpenAI's logged conversations: a 'developer' turn is the system turn (its name since the o1
+    models); with turns: first, a tool call after the first question (an assistant turn with null
+    content, a 'tool' turn) is not part of the prompt and drops nothing. With turns: multi it is,
+    and the conversation is a counted reject naming the turn."""
+    raw = {
+        "messages": [
+            {"role": "developer", "content": "Answer briefly."},
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "4 C"},
+            {"role": "user", "content": "And tomorrow?"},
+        ]
+    }
+    first = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Weather in Oslo?"}]
+    assert canonical_messages(raw, "first") == first
+    with pytest.raises(ValueError, match="^bad_format: turn 2 content is a null, not a string"):
+        canonical_messages(raw, "multi")
+
+
 def test_openai_with_system_prompt():
     raw = {"messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"}]}
     assert canonical_messages(raw, "first") == raw["messages"]

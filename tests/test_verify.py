@@ -46,6 +46,22 @@ def test_intact_run_verifies(tmp_path):
     assert summary_lines(absent, "m.json")[1] == "verify: no run manifest m.json yet (written at the end of a run); shards only"
 
 
+def test_verifying_a_run_that_never_started_here_says_so_once(tmp_path):
+    """`snakemake verify` without the run's --configfile checks the default run: with none of its
+    shards and no manifest it says the run has not started here and how to name another, once,
+    instead of calling each shard missing and telling to force-rerun it."""
+    run = tmp_path / "results" / "default"
+    shards = [str(run / "traces" / "shard-00000.jsonl")], [str(run / "hidden_states" / "shard-00000.safetensors")]
+    res = verify_run(*shards, str(run / "manifest.json"))
+    assert res["no_run"] and res["checked"] == 0 and len(res["problems"]) == 1
+    (line,) = summary_lines(res, str(run / "manifest.json"))
+    assert line.startswith(f"verify FAILED: nothing to verify: no shard of this run and no run manifest under {run} ")
+    assert "`snakemake verify --configfile <its config>`" in line and "--forcerun" not in line
+    traces, _ = make_run(tmp_path)  # one shard there: each missing one is named as before
+    res = verify_run([str(traces)], shards[1])
+    assert "no_run" not in res and res["problems"] == [f"{shards[1][0]}: missing"]
+
+
 @pytest.mark.workflow
 def test_snakemake_verify_prints_its_summary_on_the_console(tmp_path):
     """Before, the script sent everything to logs/<run>/verify.log: a passing verify printed nothing."""
@@ -547,7 +563,8 @@ def test_a_file_modified_after_the_job_that_wrote_it_is_named_with_both_times(tm
     os.utime(questions, (end + 90, end + 90))
     problem = modified_after_written(questions, made[str(questions)])
     assert problem.startswith(f"{questions}: modified at ") and "after the job that wrote it (prepare_eval_prompts) ended at" in problem
-    assert f"`snakemake --forcerun {questions}`" in problem and f"`snakemake --cleanup-metadata {questions}`" in problem
+    assert f"`snakemake --forcerun {questions}`" in problem and "change what it is made from (a source file or setting" in problem
+    assert "--cleanup-metadata" not in problem  # it would freeze the file against later changes of its settings
     assert modified_after_written(questions, None) is None  # not made here: used as given
     assert modified_after_written(questions, ("prepare_eval_prompts", None)) is None  # no time recorded
     assert modified_after_written(tmp_path / "eval", ("x", end)) is None  # a folder: its files move its time
@@ -616,5 +633,5 @@ def test_a_run_refuses_questions_and_prompts_edited_after_their_jobs_ended(e2e_r
         ("results/e2e/prompts/shard-00001.jsonl", "prepare_prompts"),
     ):
         assert f"{path}: modified at " in r.stderr and f"after the job that wrote it ({rule}) ended at" in r.stderr
-        assert f"`snakemake --cleanup-metadata {path}`" in r.stderr
+        assert f"`snakemake --forcerun {path}`" in r.stderr
     assert {p: p.stat().st_mtime_ns for p in kept} == kept

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 #: Roles as they appear in ShareGPT (``from``) and OpenAI (``role``) data → canonical role.
 ROLE_ALIASES = {
     "system": "system",
+    "developer": "system",  # OpenAI's name for the system turn since its o1 models
     "human": "user",
     "user": "user",
     "gpt": "assistant",
@@ -538,6 +539,8 @@ def canonical_messages(raw: object, turns: str = "first", dropped: Counter | Non
                 "not Unicode text; fix or remove the record"
             ) from None
         messages.append({"role": canon, "content": content})
+        if turns == "first" and canon == "user":  # what follows is not the prompt (a tool call there drops nothing)
+            break
 
     if turns == "first":
         out = []

@@ -86,7 +86,9 @@ def modified_after_written(path: str | os.PathLike, written: tuple[str, float] |
     (``endtime`` in its metadata, after its own touch of the outputs; ``snakemake --touch`` records
     anew), so a file modified since (edited, replaced, appended to, touched by hand) no longer has
     it. Snakemake would rerun the stages that read it ("Updated input files") on bytes their
-    producer did not write; this names it instead.
+    producer did not write; this names it instead. It does not offer ``snakemake
+    --cleanup-metadata``: a file Snakemake forgot making is never remade when the settings it is
+    made from change, and the run manifest would name a producer that did not write it.
 
     Args:
         path: a regular file (a folder is left alone: files inside move its time).
@@ -112,9 +114,9 @@ def modified_after_written(path: str | os.PathLike, written: tuple[str, float] |
 
     return (
         f"{p}: modified at {utc(mtime)}, after the job that wrote it ({rule}) ended at {utc(end)}, and no record of its "
-        f"bytes covers it, so the stage would read what its producer may not have written. If the change is not yours, "
-        f"{remake_hint(p)}; if it is, `snakemake --cleanup-metadata {p}` makes Snakemake forget that it made the file, "
-        "and the run uses it as it is (the run's manifest records its bytes)"
+        f"bytes covers it, so the stage would read what its producer may not have written: {remake_hint(p)}. To make it "
+        "with other content, change what it is made from (a source file or setting in the config) instead, and the run "
+        "remakes it"
     )
 
 
@@ -189,8 +191,25 @@ def verify_run(trace_shards: list[str], hidden_shards: list[str], manifest: str 
         ``{"checked": n shards, "traces": n trace shards, "hidden_states": n hidden-state shards,
         "manifest": "checked" | "absent" | None, "manifest_entries": entries the manifest lists
         (artifacts + external; 0 unless checked), "problems": [...]}`` (empty problems = all
-        good). An absent manifest is not a problem: the run may not have finished.
+        good). An absent manifest is not a problem: the run may not have finished. A run with
+        none of its shards and no manifest (not started here, or another run's config meant) is
+        one problem saying so (``"no_run": True``), not each shard missing.
     """
+    shards = [*trace_shards, *hidden_shards]
+    if not any(Path(p).exists() for p in shards) and (manifest is None or not Path(manifest).exists()):
+        run_dir = Path(shards[0]).parents[1] if shards else None
+        return {
+            "checked": 0,
+            "traces": 0,
+            "hidden_states": 0,
+            "manifest": None,
+            "manifest_entries": 0,
+            "problems": [
+                f"nothing to verify: no shard of this run and no run manifest under {run_dir or 'the run directory'} (the run has "
+                "not started in this directory); for another run, give its config: `snakemake verify --configfile <its config>`"
+            ],
+            "no_run": True,
+        }
     hasher = Hasher()
     problems: list[str] = []
     for p in trace_shards:
@@ -224,6 +243,8 @@ def summary_lines(res: dict, manifest: str | None = None) -> list[str]:
     """What :func:`verify_run` checked and found, in a few lines for the console and the log:
     the shards checked and ``ok`` (or the number of problems), then the run manifest's state."""
     shards = f"{res['traces']} trace and {res['hidden_states']} hidden-state shards (record and token counts, SHA-256)"
+    if res.get("no_run"):
+        return [f"verify FAILED: {res['problems'][0]}"]
     if res["problems"]:
         lines = [
             f"verify FAILED: {len(res['problems'])} problem(s) in {shards}"
