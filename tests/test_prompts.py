@@ -155,7 +155,7 @@ def test_leading_assistant_turn_is_dropped():
         ({"messages": [{"role": "user", "text": "hi"}]}, "bad_format: turn 0 has no text: neither 'content' .*nor 'value'"),
         (
             {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image_url"}]}]},
-            "bad_format: turn 0 content part 1 is a 'image_url' part; only text parts",
+            "bad_format: turn 0 content part 1 is a part of type 'image_url'; only text parts",
         ),
         ({"messages": [{"role": "user", "content": ["hi"]}]}, "bad_format: turn 0 content part 0 is a string, not a content part"),
         # records nested one list too deep (a JSON array of records in a .jsonl file, or [[...records...]])

@@ -446,7 +446,7 @@ def text_of(content: object, turn: int) -> object:
     for k, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind != "text" or not isinstance(part.get("text"), str):
-            what = f"a {kind!r} part" if kind else f"a {_json_type(part)}, not a content part"
+            what = f"a part of type {kind!r}" if kind else f"a {_json_type(part)}, not a content part"
             raise ValueError(
                 f"bad_format: turn {turn} content part {k} is {what}; only text parts ({{'type': 'text', 'text': ...}}) are read"
             )
