@@ -142,7 +142,7 @@ def rejects_figure(summary: Mapping) -> Figure:
     fig = Figure(figsize=(7, max(2.4, 0.9 + 0.35 * len(counts))), layout="constrained")
     ax = fig.subplots()
     beyond = beyond_max_prompts(summary)
-    unused = f"; {beyond:,} prompts beyond max_prompts, not used" if beyond else ""
+    unused = f"\n{beyond:,} prompts beyond max_prompts, not used" if beyond else ""  # a line of its own: the title fits
     prompts = sum(v for k, v in counts.items() if k.startswith("prompts: "))
     generation = sum(counts.values()) - prompts
     ax.set_title(
