@@ -145,15 +145,15 @@ def test_rejects_by_stage_and_reason_largest_first():
     # horizontal bars bottom-up: the largest on top
     assert [t.get_text() for t in ax.get_yticklabels()] == ["generation: prompt_too_long", "generation: errored", "prompts: duplicate"]
     assert [p.get_width() for p in ax.patches] == [1, 1, 3]
-    assert ax.get_title() == ("rejected or errored records: 5 (3 prompts, 2 in generation)\n15 prompts beyond max_prompts, not used")
+    assert ax.get_title() == ("rejected or errored records: 5\n3 prompts, 2 in generation\n15 prompts beyond max_prompts, not used")
     # the demo: 15,320 beyond max_prompts and nothing else is no reject at all
     demo = {**SUMMARY, "prompts": {**SUMMARY["prompts"], "rejects_by_reason": {"over_max_prompts": 15_320}}}
     demo["generation"] = {**SUMMARY["generation"], "errored": 0, "rejects_by_reason": {}}
     ax = rejects_figure(demo).axes[0]
-    assert ax.get_title() == "rejected or errored records: 0 (0 prompts, 0 in generation)\n15,320 prompts beyond max_prompts, not used"
+    assert ax.get_title() == "rejected or errored records: 0\n0 prompts, 0 in generation\n15,320 prompts beyond max_prompts, not used"
     assert "no record was rejected" in ax.texts[0].get_text() and not ax.patches
     empty = {**demo, "prompts": {**SUMMARY["prompts"], "rejects_by_reason": {}}}
-    assert rejects_figure(empty).axes[0].get_title() == "rejected or errored records: 0 (0 prompts, 0 in generation)"
+    assert rejects_figure(empty).axes[0].get_title() == "rejected or errored records: 0\n0 prompts, 0 in generation"
 
 
 def _metrics(tmp_path) -> Path:

@@ -145,8 +145,8 @@ def rejects_figure(summary: Mapping) -> Figure:
     unused = f"\n{beyond:,} prompts beyond max_prompts, not used" if beyond else ""  # a line of its own: the title fits
     prompts = sum(v for k, v in counts.items() if k.startswith("prompts: "))
     generation = sum(counts.values()) - prompts
-    ax.set_title(
-        f"rejected or errored records: {prompts + generation:,} ({prompts:,} prompts, {generation:,} in generation){unused}", fontsize=10
+    ax.set_title(  # short lines: the axes start right of the reasons' labels
+        f"rejected or errored records: {prompts + generation:,}\n{prompts:,} prompts, {generation:,} in generation{unused}", fontsize=10
     )
     if not counts:
         _note(ax, "no record was rejected and no generation errored")
