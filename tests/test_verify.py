@@ -572,14 +572,16 @@ def test_a_file_modified_after_the_job_that_wrote_it_is_named_with_both_times(tm
     assert recorded_input_problems([str(questions)]) == []  # no metadata asked: not checked
 
     # a prompt record replaced by another whose id is its messages' hash: only the time shows it
-    records = build_prompt_set([{"type": "builtin_sharegpt"}], turns="first", max_prompts=3).records
+    source = tmp_path / "src.jsonl"
+    source.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {k}"}]}) + "\n" for k in range(4)))
+    *records, other = build_prompt_set([{"type": "file", "path": str(source)}]).records
     shard = tmp_path / "prompts" / "shard-00000.jsonl"
     shard.parent.mkdir()
     shard.write_text("".join(json.dumps(r) + "\n" for r in records))
     made[str(shard)] = ("prepare_prompts", shard.stat().st_mtime)
     assert recorded_input_problems([str(shard)], [str(shard)], made.get) == []
-    other = build_prompt_set([{"type": "builtin_sharegpt"}], turns="first", max_prompts=4).records[3]
     shard.write_text("".join(json.dumps(r) + "\n" for r in [*records[:2], other]))
+    os.utime(shard, (end + 60, end + 60))  # edited a minute later (a file system's clock may not tick between two writes)
     (problem,) = recorded_input_problems([str(shard)], [str(shard)], made.get)
     assert problem.startswith(f"{shard}: modified at ") and "(prepare_prompts)" in problem
 
