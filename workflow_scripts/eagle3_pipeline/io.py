@@ -122,8 +122,9 @@ def json_error_detail(e: json.JSONDecodeError) -> str:
     return f"invalid JSON: {where} column {e.colno}" + (" (the line ends inside the record: was it cut off?)" if cut else "")
 
 
-#: A byte that is not UTF-8, as ``errors="surrogateescape"`` decodes it (U+DC80..U+DCFF).
-_NOT_UTF8 = re.compile("[\udc80-\udcff]")
+#: A byte that is not UTF-8, as ``errors="surrogateescape"`` decodes it (U+DC80..U+DCFF; valid
+#: UTF-8 never decodes to a lone surrogate).
+NOT_UTF8 = re.compile("[\udc80-\udcff]")
 
 
 def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
@@ -141,7 +142,7 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            if (bad := _NOT_UTF8.search(line)) is not None:
+            if (bad := NOT_UTF8.search(line)) is not None:
                 raise InputError(
                     f"{path}:{lineno}: invalid UTF-8 (byte 0x{ord(bad.group()) - 0xDC00:02x} at column {bad.start() + 1}); "
                     "re-encode the file as UTF-8"

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .io import InputError, iter_jsonl, json_error_detail, package_file, sha256_json
+from .io import NOT_UTF8, InputError, iter_jsonl, json_error_detail, package_file, sha256_json
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def iter_json_array(path: str | Path) -> Iterator[tuple[int, object]]:
     """
     # a byte that is not UTF-8 becomes a lone surrogate (U+DC80..U+DCFF) and costs its element alone
     text = Path(path).read_bytes().decode("utf-8-sig", errors="surrogateescape")
-    not_utf8 = [m.start() for m in _NOT_UTF8.finditer(text)]  # nearly always none
+    not_utf8 = [m.start() for m in NOT_UTF8.finditer(text)]  # nearly always none
     dec = json.JSONDecoder()
     n = len(text)
     ws = _WS_COMMAS
@@ -204,8 +204,6 @@ def iter_json_array(path: str | Path) -> Iterator[tuple[int, object]]:
 #: of its line, or a bracket or comma: what :func:`_element_end` steps through.
 _JSON_TOKEN = re.compile(r'"(?:[^"\\\n]|\\.)*"|"[^\n]*|[][{},]')
 _WS = re.compile(r"\s*")
-#: What a byte that is not UTF-8 decodes to under ``errors="surrogateescape"``.
-_NOT_UTF8 = re.compile("[\udc80-\udcff]")
 _WS_COMMAS = re.compile(r"[\s,]*")  # between elements: commas left over from damage are skipped too
 _OPENER = re.compile(r"[\[{]")
 #: What :func:`_element_end` returns for an element the file ends inside.
